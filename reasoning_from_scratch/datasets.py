@@ -1,0 +1,280 @@
+"""Math datasets as lists of `{"problem": str, "answer": str, ...}` dicts, with a download cache.
+
+Sources (public, fetched with urllib; nothing else is needed):
+- MATH-500 (the 500-problem test subset of MATH from "Let's Verify Step by Step", Lightman et al.
+  2023), `HuggingFaceH4/MATH-500` test.jsonl;
+- the MATH training data minus the MATH-500 problems (12,000 problems; Hendrycks et al. 2021),
+  as prepared in `rasbt/math_full_minus_math500`, a JSON array;
+- GSM8K (Cobbe et al. 2021), `openai/grade-school-math` train/test jsonl, answer after `####`;
+- the synthetic arithmetic world of `reasoning_from_scratch.arithmetic` (no download).
+
+Files are cached in `~/.cache/reasoning_from_scratch` (or `$RFS_CACHE_DIR`, or `cache_dir=`).
+A local file path works too (`path=`), in either JSON-array or JSONL format.
+"""
+
+import hashlib
+import json
+import os
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where a dataset file comes from and what a correct download looks like."""
+
+    filename: str
+    urls: tuple
+    num_rows: int  # row count of the published file: a cheap integrity check on downloads
+    sha256: str = None  # checked when known
+
+
+SOURCES = {
+    "math500": DataSource(
+        filename="math500_test.jsonl",
+        urls=(
+            "https://huggingface.co/datasets/HuggingFaceH4/MATH-500/resolve/main/test.jsonl",
+            "https://raw.githubusercontent.com/rasbt/reasoning-from-scratch/main/"
+            "ch03/01_main-chapter-code/math500_test.json",
+        ),
+        num_rows=500,
+    ),
+    "math_train": DataSource(
+        filename="math_full_minus_math500.json",
+        urls=(
+            "https://raw.githubusercontent.com/rasbt/math_full_minus_math500/refs/heads/main/"
+            "math_full_minus_math500.json",
+            "https://f001.backblazeb2.com/file/reasoning-from-scratch/MATH/"
+            "math_full_minus_math500.json",
+        ),
+        num_rows=12_000,
+    ),
+    "gsm8k_train": DataSource(
+        filename="gsm8k_train.jsonl",
+        urls=(
+            "https://raw.githubusercontent.com/openai/grade-school-math/master/"
+            "grade_school_math/data/train.jsonl",
+        ),
+        num_rows=7_473,
+    ),
+    "gsm8k_test": DataSource(
+        filename="gsm8k_test.jsonl",
+        urls=(
+            "https://raw.githubusercontent.com/openai/grade-school-math/master/"
+            "grade_school_math/data/test.jsonl",
+        ),
+        num_rows=1_319,
+    ),
+}
+
+
+def default_cache_dir():
+    """`$RFS_CACHE_DIR` if set, else `~/.cache/reasoning_from_scratch`."""
+    env = os.environ.get("RFS_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "reasoning_from_scratch"
+
+
+def fetch_url(url, dest, sha256=None, expected_size=None, timeout=60):
+    """Download `url` to `dest` atomically (temp file + os.replace), checking size/sha256."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".part")
+    try:
+        digest, size = hashlib.sha256(), 0
+        with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=timeout) as response:
+            while chunk := response.read(1 << 20):
+                f.write(chunk)
+                digest.update(chunk)
+                size += len(chunk)
+        if expected_size is not None and size != expected_size:
+            raise ValueError(f"{url}: got {size} bytes, expected {expected_size}")
+        if sha256 is not None and digest.hexdigest() != sha256:
+            raise ValueError(f"{url}: sha256 {digest.hexdigest()} != expected {sha256}")
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return dest
+
+
+def _resolve_file(name, path=None, cache_dir=None):
+    """Return (local file, downloaded_now) for dataset `name`, downloading it if needed."""
+    if path is not None:
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset file not found: {path}")
+        return path, False
+    source = SOURCES[name]
+    dest = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    dest = dest / source.filename
+    if dest.is_file():
+        return dest, False
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for url in source.urls:
+        try:
+            return fetch_url(url, dest, sha256=source.sha256), True
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            errors.append(f"  {url}: {err}")
+    raise FileNotFoundError(
+        f"could not download the {name} dataset:\n" + "\n".join(errors) + "\n"
+        f"Fetch it by hand, e.g.\n  curl -L -o {dest} {source.urls[0]}\n"
+        f"(or set RFS_CACHE_DIR / pass cache_dir=, or pass path= to a local copy)."
+    )
+
+
+def read_records(path):
+    """Yield (line_number, row) from a JSONL file or a JSON array; ValueError names file:line."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        yield from _read_json_array(path, text)
+        return
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}, line {lineno}: invalid JSON ({err.msg})") from None
+
+
+def _read_json_array(path, text):
+    """Yield (line_number, element) of a top-level JSON array, keeping each element's line."""
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    lineno, counted_to = 1, 0
+    expect_value = True
+    while True:
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+        if i >= len(text):
+            raise ValueError(f"{path}: JSON array is not closed")
+        if text[i] == "]":
+            return
+        if not expect_value:
+            if text[i] != ",":
+                lineno += text.count("\n", counted_to, i)
+                raise ValueError(f"{path}, line {lineno}: expected ',' or ']' in JSON array")
+            i += 1
+            expect_value = True
+            continue
+        lineno += text.count("\n", counted_to, i)
+        counted_to = i
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}, line {err.lineno}: invalid JSON ({err.msg})") from None
+        expect_value = False
+        yield lineno, value
+
+
+def _require(row, key, path, lineno):
+    """row[key] as a string; ValueError naming file and line if it is missing."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}, line {lineno}: expected a JSON object, got {type(row).__name__}")
+    value = row.get(key)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise ValueError(f"{path}, line {lineno}: row has no {key!r} field")
+    return str(value)
+
+
+def _load_rows(name, path, cache_dir, convert):
+    """Read and convert every row; check the row count of files we downloaded ourselves."""
+    file, downloaded = _resolve_file(name, path, cache_dir)
+    examples = [convert(row, file, lineno) for lineno, row in read_records(file)]
+    expected = SOURCES[name].num_rows if name in SOURCES else None
+    if downloaded and expected is not None and len(examples) != expected:
+        os.remove(file)
+        raise ValueError(
+            f"{file}: downloaded {len(examples)} rows, expected {expected}; file removed, "
+            "try again or fetch it by hand"
+        )
+    return examples
+
+
+def _math_row(row, path, lineno):
+    """MATH / MATH-500 row: problem and answer, other fields (solution, level, ...) kept."""
+    problem = _require(row, "problem", path, lineno)
+    answer = _require(row, "answer", path, lineno)
+    return {**row, "problem": problem, "answer": answer}
+
+
+def parse_gsm8k_answer(answer_field):
+    """Final answer of a GSM8K solution: the text after `####`, commas removed."""
+    if "####" not in answer_field:
+        return None
+    return answer_field.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def _gsm8k_row(row, path, lineno):
+    """GSM8K row {question, answer: 'reasoning #### 42'} -> {problem, answer, solution}."""
+    problem = _require(row, "question" if "question" in row else "problem", path, lineno)
+    raw = _require(row, "answer", path, lineno)
+    final = parse_gsm8k_answer(raw)
+    if final is None:
+        if "question" in row:
+            raise ValueError(f"{path}, line {lineno}: GSM8K answer has no '####' final answer")
+        final = raw.strip()  # already converted: {"problem", "answer"}
+    solution = raw.rsplit("####", 1)[0].strip() if "####" in raw else row.get("solution", "")
+    return {"problem": problem, "answer": final, "solution": solution}
+
+
+def load_math500(path=None, cache_dir=None):
+    """The MATH-500 test set (500 problems)."""
+    return _load_rows("math500", path, cache_dir, _math_row)
+
+
+def load_math_train(path=None, cache_dir=None):
+    """The MATH training problems without the MATH-500 ones (12,000 problems)."""
+    return _load_rows("math_train", path, cache_dir, _math_row)
+
+
+def load_gsm8k(split="train", path=None, cache_dir=None):
+    """GSM8K train (7,473) or test (1,319) problems; `answer` is the number after `####`."""
+    if split not in ("train", "test"):
+        raise ValueError(f"GSM8K split must be 'train' or 'test', got {split!r}")
+    return _load_rows(f"gsm8k_{split}", path, cache_dir, _gsm8k_row)
+
+
+ARITH_DEFAULT_SIZES = {"train": 10_000, "val": 500, "test": 500}
+
+
+def load_arith(split="test", n=None, seed=None):
+    """`n` problems of the arithmetic world's fixed split (see `arithmetic.make_split`)."""
+    from .arithmetic import make_split  # lazy: keeps this module importable on its own
+
+    if n is None:
+        if split not in ARITH_DEFAULT_SIZES:
+            raise ValueError(f"unknown arith split {split!r}; expected train, val or test")
+        n = ARITH_DEFAULT_SIZES[split]
+    return make_split(split, n, seed=seed)
+
+
+DATASET_NAMES = ("math500", "math", "gsm8k", "arith")
+
+
+def load_dataset_by_name(name, split=None, path=None, cache_dir=None, n=None, seed=None):
+    """Load "math500" | "math" | "gsm8k" | "arith"; `n` keeps the first n examples."""
+    if name == "math500":
+        if split not in (None, "test"):
+            raise ValueError(f"math500 only has a 'test' split, got {split!r}")
+        examples = load_math500(path=path, cache_dir=cache_dir)
+    elif name in ("math", "math_train"):
+        if split not in (None, "train"):
+            raise ValueError(f"math only has a 'train' split, got {split!r}")
+        examples = load_math_train(path=path, cache_dir=cache_dir)
+    elif name == "gsm8k":
+        examples = load_gsm8k(split or "test", path=path, cache_dir=cache_dir)
+    elif name == "arith":
+        if path is not None:
+            examples = [_math_row(row, path, lineno) for lineno, row in read_records(path)]
+        else:
+            return load_arith(split or "test", n=n, seed=seed)
+    else:
+        raise ValueError(f"unknown dataset {name!r}; choose from {DATASET_NAMES}")
+    return examples if n is None else examples[:n]

@@ -1,0 +1,146 @@
+"""Batched evaluation of a model on math problems: generate, extract, grade, summarise.
+
+Grading is strict (a `\\boxed{}` answer is required, no last-number fallback), so the accuracy
+reported here equals the mean `reward_rlvr` the RL chapters train on.
+"""
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .generation import generate_batch
+from .grading import extract_final_candidate, grade_answer
+from .prompts import render_prompt
+
+
+def has_think_format(text):
+    """True if `<think>` ... `</think>` appear in order, before the last boxed answer (if any)."""
+    start = text.find("<think>")
+    if start == -1:
+        return False
+    end = text.find("</think>", start + len("<think>"))
+    if end == -1:
+        return False
+    boxed = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    return boxed == -1 or boxed > end
+
+
+def write_jsonl(records, path):
+    """Write one JSON object per line, atomically (temp file in the same dir, then os.replace)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def summarize(records, generation_s, elapsed_s=None):
+    """Summary numbers of per-example records; tokens/s counts generation time only."""
+    n = len(records)
+    total_tokens = sum(r["num_tokens"] for r in records)
+    num_correct = sum(r["correct"] for r in records)
+    num_think = sum(has_think_format(r["generated_text"]) for r in records)
+    return {
+        "accuracy": num_correct / n if n else 0.0,
+        "num_correct": num_correct,
+        "num_examples": n,
+        "mean_length": total_tokens / n if n else 0.0,
+        "tokens_per_s": total_tokens / generation_s if generation_s > 0 else 0.0,
+        "format_rate": num_think / n if n else 0.0,
+        "generation_s": generation_s,
+        "elapsed_s": generation_s if elapsed_s is None else elapsed_s,
+    }
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer,
+    examples,
+    device,
+    max_new_tokens=512,
+    batch_size=8,
+    temperature=0.0,
+    top_p=1.0,
+    prompt_fn=render_prompt,
+    jsonl_path=None,
+    seed=123,
+    progress=True,
+):
+    """Generate an answer for every example and grade it; returns the summary dict.
+
+    The summary holds accuracy, num_correct, num_examples, mean_length (generated tokens,
+    EOS included), tokens_per_s (generated tokens per second of generation), format_rate, and
+    `records`: one dict per example, in input order, with index, problem, ground_truth,
+    generated_text, extracted_answer, correct and num_tokens (also written to `jsonl_path`).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for i, ex in enumerate(examples):
+        if "problem" not in ex or "answer" not in ex:
+            raise ValueError(f"examples[{i}] needs 'problem' and 'answer' keys, has {sorted(ex)}")
+    t_start = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    prompts = [prompt_fn(ex["problem"]) for ex in examples]
+    # Longest prompts first: similar lengths share a batch (less padding), and an out-of-memory
+    # error shows up in the first batch rather than hours in.
+    order = sorted(range(len(prompts)), key=lambda i: -len(tokenizer.encode(prompts[i])))
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+    records = [None] * len(examples)
+    num_correct, num_done, gen_seconds = 0, 0, 0.0
+    bar = tqdm(total=len(examples), desc="evaluate", disable=not progress)
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        t0 = time.perf_counter()
+        texts, _, completion_mask = generate_batch(
+            model,
+            tokenizer,
+            [prompts[i] for i in batch],
+            device,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            generator=generator,
+        )
+        gen_seconds += time.perf_counter() - t0
+        lengths = completion_mask.sum(dim=1).tolist()  # (B,) real tokens incl. EOS
+        for i, text, num_tokens in zip(batch, texts, lengths):
+            extracted = extract_final_candidate(text, fallback="none")
+            correct = bool(extracted) and grade_answer(extracted, examples[i]["answer"])
+            num_correct += correct
+            records[i] = {
+                "index": i,
+                "problem": examples[i]["problem"],
+                "ground_truth": examples[i]["answer"],
+                "generated_text": text,
+                "extracted_answer": extracted,
+                "correct": correct,
+                "num_tokens": int(num_tokens),
+            }
+        num_done += len(batch)
+        bar.update(len(batch))
+        bar.set_postfix(acc=f"{num_correct / num_done:.3f}")
+    bar.close()
+    if was_training:
+        model.train()
+
+    summary = summarize(records, gen_seconds, time.perf_counter() - t_start)
+    summary["records"] = records
+    if jsonl_path is not None:
+        write_jsonl(records, jsonl_path)
+    return summary

@@ -1,0 +1,372 @@
+"""Text generation with a KV cache: one batched entry point (`generate`) and book-style wrappers.
+
+- `generate`: batched decoding; greedy at temperature 0, otherwise temperature / top-k / top-p
+  (nucleus) sampling with an optional `torch.Generator`; per-row stop at EOS; G samples of one
+  prompt share one prefill (`num_return_sequences`, via `KVCache.expand`).
+- `sample_response`: the book's single-sample contract `(full_token_ids, prompt_len, text)`.
+- `sample_rollouts`: G completions of one prompt decoded as one batch (GRPO rollouts).
+- `generate_batch`: different prompts, left padded (evaluation).
+- `TextStreamer`: a `generate` callback that prints the text of row 0 as it is produced.
+
+`tokenizer` is anything with `encode(str) -> list[int]`, `decode(ids, skip_special_tokens=...)`,
+`eos_token_id` and `pad_token_id`.
+
+Generation runs under `torch.no_grad()` rather than `torch.inference_mode()`: the returned ids are
+fed to training forward passes (GRPO), and inference-mode tensors cannot be saved for backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .qwen3 import KVCache
+
+__all__ = [
+    "GenerationOutput",
+    "Rollouts",
+    "top_p_filter",
+    "sample_next_token",
+    "generate",
+    "sample_response",
+    "sample_rollouts",
+    "generate_batch",
+    "TextStreamer",
+    "stop_token_ids",
+]
+
+
+@dataclass
+class GenerationOutput:
+    """Result of `generate`; B* = batch size * num_return_sequences."""
+
+    sequences: torch.Tensor  # (B*, T_prompt + T_new) prompt (with its padding) + completion
+    completion_ids: torch.Tensor  # (B*, T_new) padded after EOS with the pad id
+    completion_mask: torch.Tensor  # (B*, T_new) bool, True for generated tokens incl. EOS
+    lengths: torch.Tensor  # (B*,) number of real completion tokens
+    truncated: torch.Tensor  # (B*,) bool, True if no EOS before max_new_tokens
+
+
+@dataclass
+class Rollouts:
+    """G sampled completions of one prompt (see `sample_rollouts`)."""
+
+    prompt_ids: torch.Tensor  # (P,)
+    completion_ids: torch.Tensor  # (G, T)
+    completion_mask: torch.Tensor  # (G, T) bool, incl. EOS
+    texts: list[str]  # decoded completions, special tokens kept, EOS stripped
+    lengths: torch.Tensor  # (G,)
+    truncated: torch.Tensor  # (G,) bool
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_ids.numel()
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def full_ids(self, i: int) -> torch.Tensor:
+        """1-D prompt + completion i (incl. EOS, no padding), as `sample_response` returns."""
+        completion = self.completion_ids[i, : int(self.lengths[i])]
+        return torch.cat([self.prompt_ids, completion])
+
+
+def _nucleus_keep(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Bool mask over descending-sorted probs: the smallest prefix with mass >= top_p."""
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of better tokens
+    keep = mass_before < top_p  # the token that crosses top_p is still kept
+    keep[..., 0] = True  # the most likely token always survives
+    return keep
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of top tokens with total probability >= top_p; renormalise.
+
+    Nucleus sampling (Holtzman et al., 2019, "The Curious Case of Neural Text Degeneration").
+    probs: (B, V). The most likely token is always kept.
+    """
+    if top_p is None or top_p >= 1.0:
+        return probs
+    sorted_probs, sorted_idx = torch.sort(probs, dim=-1, descending=True)  # (B, V)
+    kept = sorted_probs * _nucleus_keep(sorted_probs, top_p)
+    filtered = torch.zeros_like(probs).scatter(-1, sorted_idx, kept)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Pick one token per row from logits (B, V): argmax if temperature == 0, else sample."""
+    if temperature is None or temperature <= 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature  # (B, V)
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # (B, V)
+    sorted_idx = None
+    if top_p is not None and top_p < 1.0:
+        # Same filter as `top_p_filter`, but sample in sorted order and map the index back:
+        # saves the scatter and the renormalisation.
+        probs, sorted_idx = torch.sort(probs, dim=-1, descending=True)
+        probs = probs * _nucleus_keep(probs, top_p)
+    # Inverse-transform sampling: the first token whose cumulative mass reaches u ~ U(0, total].
+    # One random number per row (cheaper than torch.multinomial on CPU); u > 0 guarantees the
+    # chosen token has non-zero probability. Works on unnormalised, filtered probabilities.
+    cdf = probs.cumsum(dim=-1)  # (B, V)
+    gen_device = generator.device if generator is not None else probs.device
+    r = torch.rand(probs.shape[0], 1, generator=generator, device=gen_device).to(probs.device)
+    u = (1.0 - r) * cdf[:, -1:]  # (B, 1)
+    choice = torch.searchsorted(cdf, u)  # (B, 1)
+    if sorted_idx is not None:
+        choice = sorted_idx.gather(-1, choice)
+    return choice[:, 0]  # (B,)
+
+
+def _eos_tensor(eos_token_id, device) -> torch.Tensor | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    num_return_sequences: int = 1,
+    pad_token_id: int | None = None,
+    callback: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> GenerationOutput:
+    """Batched KV-cache decoding of `input_ids` (B, P), left padded per `attention_mask`.
+
+    Rows stop independently at EOS (kept in the completion); later slots hold `pad_token_id`
+    (default: the first EOS id, else 0) and are masked. Decoding ends when every row has
+    finished or after `max_new_tokens`. With `num_return_sequences=G` the prompt is prefilled
+    once and the cache expanded to G rows per prompt (rows b*G..b*G+G-1 belong to prompt b).
+    `callback(new_tokens (B*,), is_real (B*,))`, if given, is called after every step
+    (used for streaming).
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty (B, P) tensor, got {input_ids.shape}")
+    dev = input_ids.device
+    G = num_return_sequences
+    eos = _eos_tensor(eos_token_id, dev)
+    if pad_token_id is None:
+        pad_token_id = int(eos[0]) if eos is not None else 0
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    attention_mask = attention_mask.to(device=dev, dtype=torch.bool)
+    prompts = input_ids.repeat_interleave(G, dim=0) if G > 1 else input_ids
+    BG = prompts.shape[0]
+
+    tokens: list[torch.Tensor] = []
+    real: list[torch.Tensor] = []
+    finished = torch.zeros(BG, dtype=torch.bool, device=dev)
+    if max_new_tokens > 0:
+        cache = KVCache(model.cfg.num_hidden_layers)
+        logits = model(input_ids, attention_mask, cache, last_only=True)[:, -1]  # (B, V)
+        if G > 1:
+            cache.expand(G)  # G rollouts share this prefill
+            logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
+        for step in range(max_new_tokens):
+            nxt = sample_next_token(logits, temperature, top_p, top_k, generator)  # (B*,)
+            is_real = ~finished
+            nxt = torch.where(is_real, nxt, torch.full_like(nxt, pad_token_id))
+            tokens.append(nxt)
+            real.append(is_real)
+            if eos is not None:
+                finished = finished | torch.isin(nxt, eos)
+            if callback is not None:
+                callback(nxt, is_real)
+            if step == max_new_tokens - 1 or (eos is not None and bool(finished.all())):
+                break
+            # Finished rows keep flowing through the batch but as masked padding.
+            logits = model(nxt[:, None], is_real[:, None], cache, last_only=True)[:, -1]
+
+    if tokens:
+        completion_ids = torch.stack(tokens, dim=1)  # (B*, T_new)
+        completion_mask = torch.stack(real, dim=1)  # (B*, T_new)
+    else:
+        completion_ids = prompts.new_zeros(BG, 0)
+        completion_mask = torch.zeros(BG, 0, dtype=torch.bool, device=dev)
+    return GenerationOutput(
+        sequences=torch.cat([prompts, completion_ids], dim=1),
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        lengths=completion_mask.sum(dim=1),
+        truncated=~finished,
+    )
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """All EOS ids of a tokenizer (Qwen3 instruct models stop at <|im_end|> or <|endoftext|>)."""
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids:
+        return [int(i) for i in ids]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
+
+
+def _encode(tokenizer, prompt: str, device) -> torch.Tensor:
+    ids = tokenizer.encode(prompt)
+    if len(ids) == 0:
+        raise ValueError("the prompt encodes to zero tokens")
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _decode_completion(tokenizer, ids: torch.Tensor, mask: torch.Tensor, truncated: bool) -> str:
+    """Decode the real tokens of one completion, special tokens kept, final EOS dropped."""
+    ids = ids[mask].tolist()
+    if not truncated and ids:
+        ids = ids[:-1]  # the EOS that ended it
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def sample_response(
+    model,
+    tokenizer,
+    prompt: str,
+    device,
+    max_new_tokens: int = 512,
+    temperature: float = 0.8,
+    top_p: float = 0.9,
+    generator: torch.Generator | None = None,
+    top_k: int | None = None,
+) -> tuple[torch.Tensor, int, str]:
+    """One completion: (prompt + completion ids incl. EOS (1-D), prompt_len, text w/o EOS)."""
+    prompt_ids = _encode(tokenizer, prompt, device)
+    out = generate(
+        model,
+        prompt_ids[None],
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_token_id=stop_token_ids(tokenizer),
+        generator=generator,
+    )
+    completion = out.completion_ids[0, : int(out.lengths[0])]
+    text = _decode_completion(
+        tokenizer, out.completion_ids[0], out.completion_mask[0], bool(out.truncated[0])
+    )
+    return torch.cat([prompt_ids, completion]), prompt_ids.numel(), text
+
+
+def sample_rollouts(
+    model,
+    tokenizer,
+    prompt: str,
+    num_rollouts: int,
+    device,
+    max_new_tokens: int = 512,
+    temperature: float = 0.8,
+    top_p: float = 0.9,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Rollouts:
+    """G = num_rollouts completions of one prompt: one prefill, decoded as one batch."""
+    prompt_ids = _encode(tokenizer, prompt, device)
+    out = generate(
+        model,
+        prompt_ids[None],
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_token_id=stop_token_ids(tokenizer),
+        generator=generator,
+        num_return_sequences=num_rollouts,
+    )
+    texts = [
+        _decode_completion(tokenizer, ids, m, bool(t))
+        for ids, m, t in zip(out.completion_ids, out.completion_mask, out.truncated)
+    ]
+    return Rollouts(
+        prompt_ids=prompt_ids,
+        completion_ids=out.completion_ids,
+        completion_mask=out.completion_mask,
+        texts=texts,
+        lengths=out.lengths,
+        truncated=out.truncated,
+    )
+
+
+def generate_batch(
+    model,
+    tokenizer,
+    prompts: list[str],
+    device,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """Complete different prompts in one left-padded batch -> (texts, ids, mask)."""
+    encoded = [tokenizer.encode(p) for p in prompts]
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompts[{i}] encodes to zero tokens")
+    P = max(len(ids) for ids in encoded)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = 0 if pad is None else pad  # any valid id: padded slots are masked out
+    input_ids = torch.full((len(encoded), P), pad, dtype=torch.long)
+    attention_mask = torch.zeros(len(encoded), P, dtype=torch.bool)
+    for i, ids in enumerate(encoded):  # left padding: real tokens flush right
+        input_ids[i, P - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, P - len(ids) :] = True
+    out = generate(
+        model,
+        input_ids.to(device),
+        attention_mask.to(device),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos_token_id=stop_token_ids(tokenizer),
+        generator=generator,
+    )
+    texts = [
+        _decode_completion(tokenizer, ids, m, bool(t))
+        for ids, m, t in zip(out.completion_ids, out.completion_mask, out.truncated)
+    ]
+    return texts, out.completion_ids, out.completion_mask
+
+
+class TextStreamer:
+    """`generate` callback printing row 0's text as it grows (EOS and padding not shown)."""
+
+    def __init__(self, tokenizer, write: Callable[[str], object] | None = None):
+        self.tokenizer = tokenizer
+        self.write = write or (lambda s: print(s, end="", flush=True))
+        self.ids: list[int] = []
+        self.printed = ""
+        self.eos = set(stop_token_ids(tokenizer))
+
+    def __call__(self, new_tokens: torch.Tensor, is_real: torch.Tensor) -> None:
+        token = int(new_tokens[0])
+        if not bool(is_real[0]) or token in self.eos:
+            return
+        self.ids.append(token)
+        # Re-decode everything: a multi-byte character may span several tokens.
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        if text.endswith("\ufffd"):  # incomplete UTF-8 sequence, wait for the next token
+            return
+        self.write(text[len(self.printed) :])
+        self.printed = text

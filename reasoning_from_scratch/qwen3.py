@@ -1,0 +1,500 @@
+"""Qwen3 dense decoder written from scratch in plain PyTorch (chapter 2).
+
+The module tree mirrors Hugging Face ``Qwen3ForCausalLM`` attribute for attribute, so
+``model.state_dict()`` keys are exactly the Hugging Face checkpoint keys
+(``model.layers.0.self_attn.q_proj.weight``, ...), and a checkpoint loads with a plain
+``load_state_dict``. Building blocks:
+
+- ``RMSNorm``: root-mean-square normalisation (Zhang & Sennrich, 2019), computed in float32.
+- ``compute_rope_params`` / ``apply_rope``: rotary position embeddings (Su et al., 2021,
+  "RoFormer") in the split-halves layout of the reference implementation (``rotate_half``).
+- ``GroupedQueryAttention``: grouped-query attention (Ainslie et al., 2023) with the Qwen3
+  per-head RMSNorm on queries and keys ("QK-norm"), applied before RoPE.
+- ``FeedForward``: SwiGLU feed-forward (Shazeer, 2020).
+- ``KVCache``: per-layer keys/values plus the key padding mask and the next position of
+  every row, so the cache (not the model) knows where each row is. ``expand(G)`` turns a
+  prefilled 1-row cache into G rows, letting G rollouts of one prompt share one prefill.
+- ``Qwen3Model``: ``model(input_ids, attention_mask=None, cache=None) -> logits (B, T, V)``.
+  Batches of prompts of different lengths use left padding plus an attention mask.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "Qwen3Config",
+    "QWEN3_0_6B_CONFIG",
+    "tiny_config",
+    "RMSNorm",
+    "compute_rope_params",
+    "apply_rope",
+    "GroupedQueryAttention",
+    "FeedForward",
+    "TransformerBlock",
+    "Qwen3Decoder",
+    "Qwen3Model",
+    "KVCache",
+]
+
+
+# --------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------
+
+_REQUIRED_HF_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+@dataclass
+class Qwen3Config:
+    """Hyper-parameters of a Qwen3 dense model; field names follow HF ``config.json``."""
+
+    vocab_size: int = 151936
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = True
+    torch_dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"Qwen3Config: num_attention_heads={self.num_attention_heads} must be a multiple "
+                f"of num_key_value_heads={self.num_key_value_heads} (grouped-query attention)"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"Qwen3Config: head_dim={self.head_dim} must be even for RoPE")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, source: str = "config dict") -> Qwen3Config:
+        """Build a config from the content of a HF ``Qwen3ForCausalLM`` config.json."""
+        archs = d.get("architectures")
+        if archs is not None and "Qwen3ForCausalLM" not in archs:
+            raise ValueError(f"{source}: architectures={archs}, expected Qwen3ForCausalLM")
+        if d.get("model_type", "qwen3") != "qwen3":
+            raise ValueError(f"{source}: model_type={d.get('model_type')!r}, expected 'qwen3'")
+        missing = [k for k in _REQUIRED_HF_FIELDS if k not in d]
+        if missing:
+            raise ValueError(f"{source}: missing required field(s) {missing}")
+        if d.get("use_sliding_window", False):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        # transformers >= 5 may store rope settings in `rope_parameters` instead of `rope_theta`.
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"{source}: rope scaling {rope_type!r} is not supported")
+        rope_theta = d.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        if isinstance(eos, (list, tuple)):  # some configs list several stop ids
+            eos = eos[0] if eos else None
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads", heads),
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Qwen3Config:
+        """Read a HF ``config.json`` file."""
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file not found: {path}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+        return cls.from_hf_dict(d, source=str(path))
+
+    def to_hf_dict(self) -> dict:
+        """Full HF ``config.json`` content, loadable by transformers' Qwen3ForCausalLM."""
+        d = asdict(self)
+        d.update(
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "model_type": "qwen3",
+                "hidden_act": "silu",
+                "attention_bias": False,
+                "attention_dropout": 0.0,
+                "initializer_range": 0.02,
+                "use_cache": True,
+                "rope_scaling": None,
+                "sliding_window": None,
+                "use_sliding_window": False,
+                "max_window_layers": self.num_hidden_layers,
+                "transformers_version": "4.51.0",
+            }
+        )
+        return dict(sorted(d.items()))
+
+
+# The published Qwen3-0.6B hyper-parameters (huggingface.co/Qwen/Qwen3-0.6B, config.json).
+QWEN3_0_6B_CONFIG = Qwen3Config(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+    torch_dtype="bfloat16",
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+
+
+def tiny_config(vocab_size: int = 256, **overrides) -> Qwen3Config:
+    """A few-thousand-to-few-hundred-thousand parameter Qwen3 for tests and the tiny world."""
+    base = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10_000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+    unknown = set(overrides) - {f.name for f in fields(Qwen3Config)}
+    if unknown:
+        raise TypeError(f"tiny_config: unknown Qwen3Config field(s) {sorted(unknown)}")
+    return replace(base, **overrides)
+
+
+# --------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 (Zhang & Sennrich, 2019)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_dtype = x.dtype
+        x = x.float()  # bf16 squares lose too much precision
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        # Same order as the reference: cast back first, then scale by the weight.
+        return self.weight * x.to(in_dtype)
+
+
+def compute_rope_params(
+    head_dim: int, theta_base: float, context_length: int, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (context_length, head_dim) for RoPE, float32, split-halves layout."""
+    # Frequencies theta_i = base^(-2i/d), i = 0..d/2-1 (RoFormer, eq. 15).
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta_base**exponents)  # (D/2,)
+    positions = torch.arange(context_length, dtype=torch.float32, device=device)
+    angles = positions[:, None] * inv_freq[None, :]  # (T, D/2)
+    # Split-halves layout: dimension j and j + D/2 form one rotated pair.
+    angles = torch.cat([angles, angles], dim=-1)  # (T, D)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, D) by per-token angles; cos/sin are (B, T, D) or (T, D)."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads: (B, 1, T, D)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)  # "rotate_half"
+    return x * cos + rotated * sin
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal self-attention where groups of query heads share one key/value head."""
+
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.group_size = self.num_heads // self.num_kv_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        # Qwen3 QK-norm: RMSNorm over each head's vector, before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, C)
+        cos: torch.Tensor,  # (B, T, D)
+        sin: torch.Tensor,  # (B, T, D)
+        attn_mask: torch.Tensor | None,  # (B, 1, T, S) bool, True = may attend
+        cache: KVCache | None = None,
+        layer_idx: int = 0,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v)  # (B, H_kv, S, D)
+        # Query head h uses key/value head h // group_size.
+        k = k.repeat_interleave(self.group_size, dim=1)  # (B, H, S, D)
+        v = v.repeat_interleave(self.group_size, dim=1)
+        if attn_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)) (Shazeer, 2020)."""
+
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = GroupedQueryAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, attn_mask, cache=None, layer_idx=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, cache, layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# --------------------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------------------
+
+
+class KVCache:
+    """Keys/values of every layer plus the key padding mask and next position of each row."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.keys: list[torch.Tensor | None] = [None] * num_layers  # (B, H_kv, S, D)
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.key_mask: torch.Tensor | None = None  # (B, S) bool, False = left padding
+        self.next_pos: torch.Tensor | None = None  # (B,) long, real tokens held so far
+
+    @property
+    def seq_len(self) -> int:
+        """Number of key slots held (padding included)."""
+        return 0 if self.key_mask is None else self.key_mask.shape[1]
+
+    def __len__(self) -> int:
+        return self.seq_len
+
+    @property
+    def batch_size(self) -> int | None:
+        """Rows held, or None while empty."""
+        return None if self.key_mask is None else self.key_mask.shape[0]
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """Append new keys/values (B, H_kv, T, D) of one layer; return the full ones."""
+        if self.keys[layer_idx] is not None:
+            k = torch.cat([self.keys[layer_idx], k], dim=2)
+            v = torch.cat([self.values[layer_idx], v], dim=2)
+        self.keys[layer_idx], self.values[layer_idx] = k, v
+        return k, v
+
+    def expand(self, G: int) -> KVCache:
+        """Repeat every row G times (row b -> rows b*G..b*G+G-1), in place; returns self."""
+        if self.key_mask is None:
+            raise ValueError("KVCache.expand: the cache is empty; prefill it first")
+        for i in range(self.num_layers):
+            if self.keys[i] is not None:
+                self.keys[i] = self.keys[i].repeat_interleave(G, dim=0)
+                self.values[i] = self.values[i].repeat_interleave(G, dim=0)
+        self.key_mask = self.key_mask.repeat_interleave(G, dim=0)
+        self.next_pos = self.next_pos.repeat_interleave(G, dim=0)
+        return self
+
+
+# --------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------
+
+
+class Qwen3Decoder(nn.Module):
+    """Embedding, decoder blocks and final norm (HF ``Qwen3Model``, the ``model.`` prefix)."""
+
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3Model(nn.Module):
+    """Qwen3 causal language model; ``state_dict()`` keys equal HF ``Qwen3ForCausalLM``."""
+
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Qwen3Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # the same Parameter
+        # RoPE tables: derived data, not weights, so non-persistent (absent from state_dict).
+        # Built lazily on first use, on the model's device.
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """HF-style init: normal(0, 0.02) linears/embedding, ones for norms."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def _rope_tables(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables with at least `needed` positions (grown beyond max_pos if asked)."""
+        if self.rope_cos is None or self.rope_cos.shape[0] < needed:
+            length = max(needed, self.cfg.max_position_embeddings)
+            cos, sin = compute_rope_params(
+                self.cfg.head_dim, self.cfg.rope_theta, length, device=self.device
+            )
+            self.rope_cos, self.rope_sin = cos, sin
+        return self.rope_cos, self.rope_sin
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits (B, T, V) for the new tokens; (B, 1, V) of the last token if `last_only`."""
+        h = self.forward_hidden(input_ids, attention_mask, cache)  # (B, T, C)
+        if last_only:
+            h = h[:, -1:]  # with left padding the last slot is real for every row
+        return self.lm_head(h)
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,  # (B, T) new tokens
+        attention_mask: torch.Tensor | None = None,  # (B, T) 1 real, 0 left padding
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states (B, T, C), i.e. the lm_head input."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        dev = input_ids.device
+        past = 0 if cache is None else cache.seq_len
+        if cache is not None and past and cache.batch_size != B:
+            raise ValueError(f"input_ids has {B} rows but the KVCache holds {cache.batch_size}")
+
+        if attention_mask is None:
+            new_mask = torch.ones(B, T, dtype=torch.bool, device=dev)
+        else:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                    f"{tuple(input_ids.shape)} (it covers the new tokens only)"
+                )
+            new_mask = attention_mask.to(device=dev, dtype=torch.bool)
+        if past:
+            past_mask, past_pos = cache.key_mask, cache.next_pos
+        else:
+            past_mask = torch.zeros(B, 0, dtype=torch.bool, device=dev)
+            past_pos = torch.zeros(B, dtype=torch.long, device=dev)
+
+        # Position of each token = number of real tokens before it in its row.
+        m = new_mask.long()
+        positions = past_pos[:, None] + m.cumsum(dim=-1) - m  # (B, T)
+        key_mask = torch.cat([past_mask, new_mask], dim=1)  # (B, S)
+        S = past + T
+
+        if past == 0 and (attention_mask is None or bool(new_mask.all())):
+            attn_mask = None  # plain causal attention: lets SDPA pick its fastest kernel
+        else:
+            q_idx = torch.arange(past, S, device=dev)
+            k_idx = torch.arange(S, device=dev)
+            causal = k_idx[None, :] <= q_idx[:, None]  # (T, S)
+            attn_mask = causal[None] & key_mask[:, None, :]  # (B, T, S)
+            # A left-pad query sees no key at all, and softmax over nothing is NaN. Let such
+            # rows attend everywhere: their outputs are never used and, being padding
+            # themselves, they are masked out as keys for every real token.
+            attn_mask = attn_mask | ~attn_mask.any(dim=-1, keepdim=True)
+            attn_mask = attn_mask[:, None]  # (B, 1, T, S) broadcast over heads
+
+        # Positions never exceed S - 1, so this bound needs no device sync.
+        cos_table, sin_table = self._rope_tables(S)
+        cos, sin = cos_table[positions], sin_table[positions]  # (B, T, D)
+
+        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, attn_mask, cache, i)
+        if cache is not None:
+            cache.key_mask = key_mask
+            cache.next_pos = past_pos + m.sum(dim=-1)
+        return self.model.norm(x)

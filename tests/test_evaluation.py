@@ -1,0 +1,174 @@
+"""Tests for batched evaluation: ordering, JSONL schema, summary arithmetic, a real tiny model."""
+
+import json
+
+import pytest
+import torch
+
+from reasoning_from_scratch import evaluation
+from reasoning_from_scratch.evaluation import evaluate, has_think_format
+from reasoning_from_scratch.generation import generate_batch
+from reasoning_from_scratch.prompts import render_prompt, render_prompt_with_think_tokens
+from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
+
+RECORD_KEYS = {
+    "index", "problem", "ground_truth", "generated_text", "extracted_answer", "correct",
+    "num_tokens",
+}  # fmt: skip
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: id = byte + 2; 0 = pad, 1 = eos."""
+
+    pad_token_id = 0
+    eos_token_id = 1
+    vocab_size = 258
+
+    def encode(self, text):
+        return [b + 2 for b in text.encode("utf-8")]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(i - 2 for i in ids if i >= 2).decode("utf-8", errors="replace")
+
+
+class FakeModel(torch.nn.Module):
+    """Stands in for a model when generate_batch is monkeypatched."""
+
+
+EXAMPLES = [
+    {"problem": "Compute 2+2", "answer": "4"},
+    {"problem": "A much longer problem: compute 10*10 please", "answer": "100"},
+    {"problem": "Half?", "answer": "0.5"},
+    {"problem": "Compute (3+4)*2, a medium one", "answer": "14"},
+    {"problem": "No box", "answer": "7"},
+]
+# canned completions (and their token counts) per problem
+CANNED = {
+    "Compute 2+2": (" <think>\nStep 1: 2+2=4\n</think>\n\\boxed{4}", 9),
+    "A much longer problem: compute 10*10 please": (" \\boxed{100} <think>late</think>", 6),
+    "Half?": (" <think>\nhalf\n</think>\n\\boxed{\\frac{1}{2}}", 12),
+    "Compute (3+4)*2, a medium one": (" <think>\n7*2=14\n</think>\n\\boxed{15}", 10),
+    "No box": (" the answer is 7", 5),
+}
+
+
+@pytest.fixture
+def fake_generate(monkeypatch):
+    """Replace generate_batch with a lookup in CANNED; records the prompts of each call."""
+    calls = []
+
+    def fake(model, tokenizer, prompts, device, max_new_tokens, temperature=0.0, top_p=1.0,
+             generator=None):
+        calls.append(list(prompts))
+        problems = [p.split("Question:\n", 1)[1].rsplit("\n\nAnswer:", 1)[0] for p in prompts]
+        texts = [CANNED[q][0] for q in problems]
+        lengths = torch.tensor([CANNED[q][1] for q in problems])
+        mask = torch.arange(max_new_tokens)[None, :] < lengths[:, None]  # (B, T_new)
+        ids = torch.where(mask, 5, 0)
+        return texts, ids, mask
+
+    monkeypatch.setattr(evaluation, "generate_batch", fake)
+    return calls
+
+
+def test_records_summary_and_jsonl(fake_generate, tmp_path):
+    out = tmp_path / "runs" / "eval.jsonl"
+    summary = evaluate(FakeModel(), ByteTokenizer(), EXAMPLES, "cpu", max_new_tokens=16,
+                       batch_size=2, jsonl_path=out, progress=False)
+    # correct: 2+2 (4), 10*10 (100), half (1/2 == 0.5); wrong: 15 != 14, no box (strict)
+    assert summary["num_examples"] == 5
+    assert summary["num_correct"] == 3
+    assert summary["accuracy"] == pytest.approx(3 / 5)
+    assert summary["mean_length"] == pytest.approx((9 + 6 + 12 + 10 + 5) / 5)
+    # think block before the boxed answer: examples 0, 2, 3 (example 1 boxes before <think>)
+    assert summary["format_rate"] == pytest.approx(3 / 5)
+    assert summary["tokens_per_s"] > 0
+
+    records = summary["records"]
+    assert [r["index"] for r in records] == [0, 1, 2, 3, 4]  # input order kept
+    assert [r["problem"] for r in records] == [ex["problem"] for ex in EXAMPLES]
+    assert [r["correct"] for r in records] == [True, True, True, False, False]
+    assert [r["extracted_answer"] for r in records] == ["4", "100", "\\frac{1}{2}", "15", ""]
+    assert [r["num_tokens"] for r in records] == [9, 6, 12, 10, 5]
+
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line) for line in lines] == records
+    for record in records:
+        assert set(record) == RECORD_KEYS
+        assert isinstance(record["correct"], bool) and isinstance(record["num_tokens"], int)
+        assert record["ground_truth"] == EXAMPLES[record["index"]]["answer"]
+
+
+def test_batches_are_sorted_by_prompt_length(fake_generate):
+    evaluate(FakeModel(), ByteTokenizer(), EXAMPLES, "cpu", max_new_tokens=16, batch_size=2,
+             progress=False)
+    assert [len(c) for c in fake_generate] == [2, 2, 1]
+    lengths = [len(p) for call in fake_generate for p in call]
+    assert lengths == sorted(lengths, reverse=True)
+    assert fake_generate[0][0] == render_prompt(EXAMPLES[1]["problem"])  # the longest first
+
+
+def test_prompt_fn_and_empty_input(fake_generate):
+    evaluate(FakeModel(), ByteTokenizer(), EXAMPLES[:1], "cpu", max_new_tokens=16,
+             prompt_fn=render_prompt_with_think_tokens, progress=False)
+    assert fake_generate[0] == [render_prompt_with_think_tokens(EXAMPLES[0]["problem"])]
+    summary = evaluate(FakeModel(), ByteTokenizer(), [], "cpu", progress=False)
+    assert summary["num_examples"] == 0 and summary["accuracy"] == 0.0
+    with pytest.raises(ValueError, match=r"examples\[0\]"):
+        evaluate(FakeModel(), ByteTokenizer(), [{"question": "x"}], "cpu", progress=False)
+
+
+def test_has_think_format():
+    assert has_think_format("<think>a</think>\\boxed{1}")
+    assert has_think_format("<think>a</think> no answer")
+    assert not has_think_format("</think><think> wrong order")
+    assert not has_think_format("\\boxed{1}<think>a</think>")
+    assert not has_think_format("<think> never closed \\boxed{1}")
+
+
+def test_tiny_model_end_to_end_matches_single_prompt_generation(tmp_path):
+    torch.manual_seed(0)
+    cfg = tiny_config(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = Qwen3Model(cfg).eval()
+    tok = ByteTokenizer()
+    examples = EXAMPLES[:3]
+    summary = evaluate(model, tok, examples, "cpu", max_new_tokens=6, batch_size=1,
+                       jsonl_path=tmp_path / "tiny.jsonl", progress=False)
+    for ex, record in zip(examples, summary["records"]):
+        texts, _, mask = generate_batch(model, tok, [render_prompt(ex["problem"])], "cpu",
+                                        max_new_tokens=6)
+        assert record["generated_text"] == texts[0]
+        assert record["num_tokens"] == int(mask.sum())
+        assert record["correct"] is False  # a random model does not box the right answer
+    assert len((tmp_path / "tiny.jsonl").read_text().splitlines()) == 3
+    assert summary["accuracy"] == 0.0
+
+
+def test_ch03_evaluate_script_offline(tmp_path):
+    """The chapter script end to end on a saved random tiny model and the arithmetic set."""
+    import runpy
+    from pathlib import Path
+
+    from reasoning_from_scratch.arithmetic import make_split
+    from reasoning_from_scratch.tiny_world import train_bpe_tokenizer
+    from reasoning_from_scratch.weights import save_pretrained
+
+    texts = [render_prompt(ex["problem"]) + " \\boxed{" + ex["answer"] + "}"
+             for ex in make_split("train", 50)]
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=300, out_dir=tmp_path / "tok")
+    torch.manual_seed(0)
+    cfg = tiny_config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    save_pretrained(Qwen3Model(cfg).eval(), tokenizer, tmp_path / "model")
+
+    script = Path(__file__).resolve().parents[1] / "chapters" / "ch03_evaluate.py"
+    main = runpy.run_path(str(script), run_name="ch03_evaluate")["main"]
+    out = tmp_path / "arith.jsonl"
+    summary = main(["--model", str(tmp_path / "model"), "--dataset", "arith", "--split", "test",
+                    "--limit", "3", "--batch-size", "2", "--max-new-tokens", "4",
+                    "--device", "cpu", "--output", str(out), "--no-progress"])
+    assert summary["num_examples"] == 3
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2]
+    assert all(set(r) == RECORD_KEYS for r in records)
