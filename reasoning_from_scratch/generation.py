@@ -4,7 +4,8 @@
   (nucleus) sampling with an optional `torch.Generator`; per-row stop at EOS; G samples of one
   prompt share one prefill (`num_return_sequences`, via `KVCache.expand`).
 - `sample_response`: the book's single-sample contract `(full_token_ids, prompt_len, text)`.
-- `sample_rollouts`: G completions of one prompt decoded as one batch (GRPO rollouts).
+- `sample_rollouts` / `sample_rollouts_batch`: G completions of one prompt (or of each of N
+  prompts) decoded as one batch (GRPO rollouts).
 - `generate_batch`: different prompts, left padded (evaluation).
 - `TextStreamer`: a `generate` callback that prints the text of row 0 as it is produced.
 
@@ -32,6 +33,7 @@ __all__ = [
     "generate",
     "sample_response",
     "sample_rollouts",
+    "sample_rollouts_batch",
     "generate_batch",
     "TextStreamer",
     "stop_token_ids",
@@ -270,6 +272,76 @@ def sample_response(
     return torch.cat([prompt_ids, completion]), prompt_ids.numel(), text
 
 
+def _left_pad(encoded: list[list[int]], pad_token_id: int | None):
+    """Stack token lists flush right -> (input_ids (N, P), attention_mask (N, P) bool)."""
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompts[{i}] encodes to zero tokens")
+    P = max(len(ids) for ids in encoded)
+    pad = 0 if pad_token_id is None else pad_token_id  # any valid id: padded slots are masked
+    input_ids = torch.full((len(encoded), P), pad, dtype=torch.long)
+    attention_mask = torch.zeros(len(encoded), P, dtype=torch.bool)
+    for i, ids in enumerate(encoded):
+        input_ids[i, P - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, P - len(ids) :] = True
+    return input_ids, attention_mask
+
+
+def sample_rollouts_batch(
+    model,
+    tokenizer,
+    prompts: list[str],
+    num_rollouts: int,
+    device,
+    max_new_tokens: int = 512,
+    temperature: float = 0.8,
+    top_p: float = 0.9,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[Rollouts]:
+    """G completions of each of N prompts, all decoded as one (N*G)-row batch.
+
+    Each prompt is prefilled once (left padded among the N) and its cache row repeated G times,
+    so a GRPO step with several prompts runs one decoding loop instead of N.
+    """
+    encoded = [tokenizer.encode(p) for p in prompts]
+    input_ids, attention_mask = _left_pad(encoded, getattr(tokenizer, "pad_token_id", None))
+    out = generate(
+        model,
+        input_ids.to(device),
+        attention_mask.to(device),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_token_id=stop_token_ids(tokenizer),
+        generator=generator,
+        num_return_sequences=num_rollouts,
+    )
+    groups = []
+    for n, ids in enumerate(encoded):
+        rows = slice(n * num_rollouts, (n + 1) * num_rollouts)
+        lengths = out.lengths[rows]
+        T = int(lengths.max()) if lengths.numel() else 0  # drop columns only other groups used
+        completion_ids, mask = out.completion_ids[rows, :T], out.completion_mask[rows, :T]
+        truncated = out.truncated[rows]
+        texts = [
+            _decode_completion(tokenizer, c, m, bool(t))
+            for c, m, t in zip(completion_ids, mask, truncated)
+        ]
+        groups.append(
+            Rollouts(
+                prompt_ids=torch.tensor(ids, dtype=torch.long, device=device),
+                completion_ids=completion_ids,
+                completion_mask=mask,
+                texts=texts,
+                lengths=lengths,
+                truncated=truncated,
+            )
+        )
+    return groups
+
+
 def sample_rollouts(
     model,
     tokenizer,
@@ -283,30 +355,18 @@ def sample_rollouts(
     generator: torch.Generator | None = None,
 ) -> Rollouts:
     """G = num_rollouts completions of one prompt: one prefill, decoded as one batch."""
-    prompt_ids = _encode(tokenizer, prompt, device)
-    out = generate(
+    return sample_rollouts_batch(
         model,
-        prompt_ids[None],
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        eos_token_id=stop_token_ids(tokenizer),
-        generator=generator,
-        num_return_sequences=num_rollouts,
-    )
-    texts = [
-        _decode_completion(tokenizer, ids, m, bool(t))
-        for ids, m, t in zip(out.completion_ids, out.completion_mask, out.truncated)
-    ]
-    return Rollouts(
-        prompt_ids=prompt_ids,
-        completion_ids=out.completion_ids,
-        completion_mask=out.completion_mask,
-        texts=texts,
-        lengths=out.lengths,
-        truncated=out.truncated,
-    )
+        tokenizer,
+        [prompt],
+        num_rollouts,
+        device,
+        max_new_tokens,
+        temperature,
+        top_p,
+        top_k,
+        generator,
+    )[0]
 
 
 def generate_batch(
@@ -321,17 +381,7 @@ def generate_batch(
 ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """Complete different prompts in one left-padded batch -> (texts, ids, mask)."""
     encoded = [tokenizer.encode(p) for p in prompts]
-    for i, ids in enumerate(encoded):
-        if not ids:
-            raise ValueError(f"prompts[{i}] encodes to zero tokens")
-    P = max(len(ids) for ids in encoded)
-    pad = getattr(tokenizer, "pad_token_id", None)
-    pad = 0 if pad is None else pad  # any valid id: padded slots are masked out
-    input_ids = torch.full((len(encoded), P), pad, dtype=torch.long)
-    attention_mask = torch.zeros(len(encoded), P, dtype=torch.bool)
-    for i, ids in enumerate(encoded):  # left padding: real tokens flush right
-        input_ids[i, P - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[i, P - len(ids) :] = True
+    input_ids, attention_mask = _left_pad(encoded, getattr(tokenizer, "pad_token_id", None))
     out = generate(
         model,
         input_ids.to(device),

@@ -12,6 +12,7 @@ from reasoning_from_scratch.generation import (
     sample_next_token,
     sample_response,
     sample_rollouts,
+    sample_rollouts_batch,
     top_p_filter,
 )
 from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
@@ -208,6 +209,20 @@ def test_sample_rollouts_contract(model):
     assert r.truncated.all() and r.lengths.tolist() == [5] * 4
     assert r.texts[2] == tok.decode(r.completion_ids[2].tolist())
     assert torch.equal(r.full_ids(1), torch.cat([r.prompt_ids, r.completion_ids[1]]))
+
+
+def test_sample_rollouts_batch_equals_one_prompt_at_a_time(model):
+    """Several prompts in one left-padded batch give each prompt's own greedy rollouts."""
+    tok = CharTokenizer(eos_token_id=5)
+    prompts = ["abc", "hello there", "x"]
+    batch = sample_rollouts_batch(model, tok, prompts, 2, "cpu", max_new_tokens=6, temperature=0)
+    for prompt, got in zip(prompts, batch):
+        alone = sample_rollouts(model, tok, prompt, 2, "cpu", max_new_tokens=6, temperature=0)
+        assert got.texts == alone.texts
+        assert torch.equal(got.prompt_ids, alone.prompt_ids)
+        assert torch.equal(got.lengths, alone.lengths)
+        T = int(alone.lengths.max())
+        assert torch.equal(got.completion_ids[:, :T], alone.completion_ids[:, :T])
 
 
 def test_device_helpers():
