@@ -58,6 +58,10 @@ def atomic_path(path: PathLike) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        # mkstemp creates 0600 files; give the result the usual permissions (0666 minus umask).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)  # atomic on POSIX and Windows when on the same filesystem
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

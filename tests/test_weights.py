@@ -1,6 +1,7 @@
 """Tests for reasoning_from_scratch.weights: safetensors save/load, sharding, errors, hub path."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -313,3 +314,12 @@ def test_transformers_loads_saved_dir(saved):
             enable_thinking=think,
         )
         assert hf_text == tok.apply_chat_template("2+3?", enable_thinking=think)
+
+
+def test_saved_files_get_normal_permissions(saved):
+    """Atomic writes go through mkstemp (mode 0600); the final files must be readable by all."""
+    _, _, out = saved
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in out.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f.name

@@ -1,0 +1,19 @@
+"""Chapter 8 index: process supervision (steps, scorers, advantages, PRM; imports only)."""
+
+from .arithmetic import first_error_step, parse_steps, verify_steps
+from .prm import ProcessRewardModel, load_prm, save_prm, train_prm
+from .process import (
+    make_process_advantage_fn,
+    process_advantages,
+    process_token_advantages,
+    split_steps,
+    step_statistics,
+    step_token_ends,
+)
+from .step_scorers import (
+    MonteCarloStepScorer,
+    PRMStepScorer,
+    StepScorer,
+    VerifierStepScorer,
+    build_step_scorer,
+)

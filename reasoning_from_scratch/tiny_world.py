@@ -1,0 +1,430 @@
+"""Build the bundled tiny "base model": a BPE tokenizer and a ~1M-parameter Qwen3 from scratch.
+
+The pretraining corpus is made of arithmetic problems (`arithmetic.py`) rendered with the project's
+prompt (`render_prompt`) and followed by a worked solution in one of several formats, the way a real
+base model has seen many styles of solutions on the web:
+
+- "think": steps inside <think> ... </think>, then \\boxed{N} (the format RL should reinforce),
+- "steps_answer": steps, then "The answer is N." (no box, so the strict reward is 0),
+- "steps_boxed": steps without think tags, then \\boxed{N},
+- "direct_boxed" / "direct_answer": the answer without any steps (often wrong for several steps).
+
+Which format a document uses depends on the problem (its number of operations, see
+`style_distribution`). That matters for greedy decoding: with one global mix, the argmax of the
+first completion token would pick the same format for every problem, whereas a per-problem mix
+gives the base model a *varied* greedy behaviour in which the think format wins for only some
+problems, while every format keeps a clear share of the samples. Reinforcement learning with the
+strict (boxed) correctness and think-format rewards then has something to select.
+
+`pretrain` is a plain next-token loop (AdamW, linear warmup + cosine decay, gradient clipping)
+whose loss covers only the completion tokens (see its docstring), and `build_tiny_model` runs
+everything end to end and reports the held-out figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .arithmetic import STYLES, classify_completion, format_solution, make_split, parse_problem
+from .prompts import render_prompt
+from .qwen3 import KVCache, Qwen3Model, tiny_config
+from .tokenizer import END_THINK, ENDOFTEXT, IM_END, IM_START, THINK, Qwen3Tokenizer
+
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK, END_THINK)
+
+# The per-problem format mix of the corpus: a document uses the dominant style of its problem's
+# number of operations with probability DOMINANT_WEIGHT and otherwise a style drawn from
+# STYLE_BACKGROUND. The number of operations is an easy, local feature for the model (the problem
+# starts "Compute 3", "Compute (" or "Compute (("), so it learns the conditional mix quickly. With
+# these numbers the think format has probability 0.64 for two-operation problems (its greedy
+# choice there) and 0.24 for the others, where it is not greedy but never rare when sampling.
+STYLE_BACKGROUND = {
+    "think": 0.40,
+    "steps_answer": 0.30,
+    "steps_boxed": 0.10,
+    "direct_boxed": 0.10,
+    "direct_answer": 0.10,
+}
+DOMINANT_STYLE = {1: "direct_answer", 2: "think", 3: "steps_answer"}  # by number of operations
+DEFAULT_DOMINANT = "steps_answer"  # four operations
+DOMINANT_WEIGHT = 0.4
+
+# The bundled model's architecture: 834,432 parameters with the 364-token vocabulary that the
+# default corpus yields (the BPE runs out of merges below its 384-token cap); 3.3 MB in float32.
+TINY_ARITH_ARCH = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------
+
+
+def train_bpe_tokenizer(texts, vocab_size: int = 384, out_dir=None) -> Qwen3Tokenizer:
+    """Train a byte-level BPE on `texts`, digits split one by one as in Qwen, Qwen3 special tokens.
+
+    <|endoftext|> (EOS and padding, as in a Qwen3 base model), <|im_start|> and <|im_end|> are
+    special tokens; <think> and </think> are added, non-special tokens as in Qwen3 (so decoding
+    with skip_special_tokens keeps them visible). Each is a single id, never split or merged.
+    The files are written into `out_dir` (a temporary directory if None) and loaded back.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    added = [AddedToken(t, special=t not in (THINK, END_THINK), normalized=False)
+             for t in SPECIAL_TOKENS]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=added,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte stays encodable
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+
+    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="tiny-tokenizer-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    tok_cfg = {"eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT, "model_max_length": 512}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    return Qwen3Tokenizer(out_dir / "tokenizer.json", out_dir / "tokenizer_config.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpus
+# ----------------------------------------------------------------------------------------------
+
+
+def style_distribution(example: dict) -> dict[str, float]:
+    """Probability of each solution style for this problem in the pretraining corpus."""
+    _, ops = parse_problem(example["problem"])
+    dominant = DOMINANT_STYLE.get(len(ops), DEFAULT_DOMINANT)
+    probs = {s: (1 - DOMINANT_WEIGHT) * STYLE_BACKGROUND[s] for s in STYLES}
+    probs[dominant] += DOMINANT_WEIGHT
+    return probs
+
+
+def build_corpus(n: int, seed: int = 0, **knobs) -> list[dict]:
+    """`n` pretraining documents: dicts with "prompt", "completion", "style" (+ the example keys).
+
+    The document text is prompt + completion + "<|endoftext|>" (base-model style, no chat
+    template). Problems come from the "train" split, so held-out problems are never seen.
+    """
+    rng = random.Random(seed)
+    docs = []
+    for ex in make_split("train", n, seed=seed, **knobs):
+        probs = style_distribution(ex)
+        style = rng.choices(list(probs), weights=list(probs.values()))[0]
+        docs.append(
+            {
+                **ex,
+                "prompt": render_prompt(ex["problem"]),
+                "completion": format_solution(ex, style),
+                "style": style,
+            }
+        )
+    return docs
+
+
+def document_text(doc: dict) -> str:
+    """Full training text of a corpus document."""
+    return doc["prompt"] + doc["completion"] + ENDOFTEXT
+
+
+# ----------------------------------------------------------------------------------------------
+# Pretraining
+# ----------------------------------------------------------------------------------------------
+
+
+def tokenize_documents(docs, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt_ids, completion_ids + [EOS]) per document, encoded separately like at inference."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("tokenizer has no EOS token id (check its tokenizer_config.json)")
+    return [
+        (tokenizer.encode(d["prompt"]), tokenizer.encode(d["completion"]) + [eos]) for d in docs
+    ]
+
+
+def shared_prefix_len(pairs) -> int:
+    """Length of the token prefix all prompts share (the fixed instructions of the template).
+
+    Kept at least one token short of the shortest prompt, so every row still predicts its first
+    completion token from a position of its own.
+    """
+    first = pairs[0][0]
+    n = min(len(p) for p, _ in pairs) - 1
+    for p, _ in pairs:
+        while n > 0 and p[:n] != first[:n]:
+            n -= 1
+    return max(n, 0)
+
+
+def collate(pairs, pad_id: int, prefix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded inputs (B, T) and targets (B, T), -100 on prompt and padding positions.
+
+    The first `prefix_len` tokens (shared by every row) are left out of the inputs; position j
+    of a row holds token prefix_len + j and is trained to predict token prefix_len + j + 1.
+    """
+    seqs = [p + c for p, c in pairs]
+    T = max(len(s) for s in seqs) - 1 - prefix_len
+    inputs = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    targets = torch.full((len(seqs), T), -100, dtype=torch.long)
+    for i, ((p, c), s) in enumerate(zip(pairs, seqs)):
+        inputs[i, : len(s) - 1 - prefix_len] = torch.tensor(s[prefix_len:-1])
+        # Only completion tokens (incl. EOS) are scored: the first is predicted at len(p) - 1.
+        start = len(p) - 1 - prefix_len
+        targets[i, start : start + len(c)] = torch.tensor(c)
+    return inputs, targets
+
+
+def batch_logits(model, prefix: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """Logits (B, T, V) of `inputs` that all continue the same `prefix` (P,) of token ids.
+
+    The shared prefix (the prompt's fixed instructions, about a third of every sequence) is run
+    once with batch size 1 and its keys/values are repeated for the B rows (KVCache.expand);
+    gradients flow through the cache, so this equals running the full sequences, only cheaper.
+    Padding is on the right, after every real token, so the causal mask alone suffices.
+    """
+    if prefix.numel() == 0:
+        return model(inputs)
+    cache = KVCache(model.cfg.num_hidden_layers)
+    model(prefix[None], cache=cache)  # (1, P) fills the cache; its logits are not needed
+    cache.expand(inputs.shape[0])
+    return model(inputs, cache=cache)  # (B, T, V)
+
+
+def length_bucketed_batches(lengths, batch_size: int, rng, window: int = 8) -> list[list[int]]:
+    """One epoch of batches: shuffle, sort each window of `window` batches by length, cut, shuffle.
+
+    Sequences of similar length share a batch, so little compute goes to padding, while the
+    window keeps the batches (and their mix of solution formats) close to random.
+    """
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    batches = []
+    for start in range(0, len(order), batch_size * window):
+        chunk = sorted(order[start : start + batch_size * window], key=lengths.__getitem__)
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.1) -> float:
+    """Linear warmup to `peak`, then cosine decay to `min_ratio * peak` (Loshchilov & Hutter)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def pretrain(
+    model,
+    tokenizer,
+    docs,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    warmup: int = 100,
+    weight_decay: float = 0.1,
+    grad_clip: float = 1.0,
+    seed: int = 0,
+    share_prefix: bool = True,
+    progress: bool = True,
+) -> list[float]:
+    """Next-token training on the completions of `docs`; returns the loss of every step.
+
+    The loss covers only the completion (and its EOS), not the prompt: the prompt is a fixed
+    template plus random problem numbers, i.e. either learned within a few steps or irreducible
+    noise, and scoring it would spend the tiny model's capacity on predicting random operands.
+    Batches are drawn without replacement from a seeded shuffle, grouped by length
+    (`length_bucketed_batches`) and right-padded, so no attention mask is needed (padding only
+    follows the real tokens of a causal model). With `share_prefix`
+    the prompt tokens every document shares are computed once per batch (`batch_logits`).
+    """
+    pairs = tokenize_documents(docs, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    P = shared_prefix_len(pairs) if share_prefix else 0
+    prefix = torch.tensor(pairs[0][0][:P], dtype=torch.long, device=model.device)  # (P,)
+    rng = random.Random(seed)
+    lengths = [len(p) + len(c) for p, c in pairs]
+    queue: list[list[int]] = []
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]  # norms: no weight decay
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    model.train()
+    losses = []
+    bar = tqdm(range(steps), desc="pretrain", disable=not progress)
+    for step in bar:
+        if not queue:
+            queue = length_bucketed_batches(lengths, batch_size, rng)
+        batch = [pairs[i] for i in queue.pop()]
+        inputs, targets = collate(batch, pad_id, P)
+        inputs, targets = inputs.to(model.device), targets.to(model.device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup)
+        logits = batch_logits(model, prefix, inputs).float()  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        losses.append(loss.item())
+        if step % 10 == 0 or step == steps - 1:
+            bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+    model.eval()
+    return losses
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring the base model
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def measure_base_model(
+    model,
+    tokenizer,
+    examples,
+    max_new_tokens: int = 96,
+    batch_size: int = 100,
+    sample_temperature: float = 1.0,
+    seed: int = 0,
+) -> dict:
+    """Held-out figures: greedy and sampled strict accuracy, think-format rate, lengths, styles.
+
+    Strict accuracy is the mean of `reward_rlvr` (a boxed answer equal to the reference); the
+    think-format rate is the mean of `reward_format` (a <think> token before a </think> token).
+    """
+    from .generation import generate_batch
+    from .grading import reward_rlvr
+    from .rewards import reward_format
+
+    device = model.device
+    think_id, end_id = tokenizer.think_token_id, tokenizer.end_think_token_id
+    figures = {"n": len(examples)}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for mode, temperature in (("greedy", 0.0), ("sampled", sample_temperature)):
+        correct, think, lengths, styles = [], [], [], []
+        for i in range(0, len(examples), batch_size):
+            chunk = examples[i : i + batch_size]
+            prompts = [render_prompt(ex["problem"]) for ex in chunk]
+            texts, ids, mask = generate_batch(
+                model, tokenizer, prompts, device, max_new_tokens=max_new_tokens,
+                temperature=temperature, top_p=1.0, generator=gen,
+            )
+            for ex, text, row, m in zip(chunk, texts, ids, mask):
+                real = row[m.bool()]
+                correct.append(reward_rlvr(text, ex["answer"]))
+                think.append(reward_format(real, 0, think_id, end_id))
+                lengths.append(int(m.sum()))
+                styles.append(classify_completion(text))
+        n = len(correct)
+        in_think = [c for c, t in zip(correct, think) if t]
+        figures[mode] = {
+            "strict_accuracy": sum(correct) / n,
+            "think_format_rate": sum(think) / n,
+            "accuracy_in_think_format": sum(in_think) / len(in_think) if in_think else float("nan"),
+            "mean_completion_tokens": sum(lengths) / n,
+            "styles": {s: styles.count(s) / n for s in (*STYLES, "other") if s in styles},
+        }
+    return figures
+
+
+def format_figures(figures: dict) -> str:
+    """Human-readable table of `measure_base_model` figures."""
+    lines = [f"held-out test problems: {figures['n']}"]
+    for mode in ("greedy", "sampled"):
+        f = figures[mode]
+        styles = ", ".join(f"{s} {v:.0%}" for s, v in f["styles"].items())
+        lines.append(
+            f"{mode:>8}: strict accuracy {f['strict_accuracy']:.1%} | think-format rate "
+            f"{f['think_format_rate']:.1%} | accuracy in think format "
+            f"{f['accuracy_in_think_format']:.1%} | mean completion "
+            f"{f['mean_completion_tokens']:.1f} tokens\n          styles: {styles}"
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end
+# ----------------------------------------------------------------------------------------------
+
+
+def build_tiny_model(
+    out_dir,
+    seed: int = 0,
+    steps: int = 3000,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    warmup: int = 100,
+    vocab_size: int = 384,
+    tokenizer_docs: int = 5000,
+    n_test: int = 200,
+    progress: bool = True,
+) -> dict:
+    """Train tokenizer and model from `seed`, save them to `out_dir` (HF layout), return figures.
+
+    The corpus holds one fresh document per training sequence (steps * batch_size documents).
+    """
+    from .weights import save_pretrained
+
+    t0 = time.time()
+    random.seed(seed)
+    torch.manual_seed(seed)
+    docs = build_corpus(steps * batch_size, seed=seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = train_bpe_tokenizer(
+            (document_text(d) for d in docs[:tokenizer_docs]), vocab_size=vocab_size, out_dir=tmp
+        )
+        eos = tokenizer.eos_token_id
+        cfg = tiny_config(
+            vocab_size=tokenizer.vocab_size, bos_token_id=eos, eos_token_id=eos, **TINY_ARITH_ARCH
+        )
+        model = Qwen3Model(cfg)
+        losses = pretrain(
+            model, tokenizer, docs, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
+            seed=seed, progress=progress,
+        )
+        save_pretrained(model, tokenizer, out_dir)
+    train_seconds = time.time() - t0
+    figures = measure_base_model(model, tokenizer, make_split("test", n_test), seed=seed)
+    figures.update(
+        {
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "final_loss": sum(losses[-50:]) / len(losses[-50:]),
+            "train_seconds": train_seconds,
+            "total_seconds": time.time() - t0,
+            "corpus_styles": {s: sum(d["style"] == s for d in docs) / len(docs) for s in STYLES},
+        }
+    )
+    return figures
