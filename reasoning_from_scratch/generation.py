@@ -287,6 +287,28 @@ def _left_pad(encoded: list[list[int]], pad_token_id: int | None):
     return input_ids, attention_mask
 
 
+def _generate_from_texts(model, tokenizer, prompts, device, num_return_sequences, **sampling):
+    """Encode and left-pad `prompts`, `generate`, decode -> (encoded, GenerationOutput, texts).
+
+    Texts keep special tokens (so `<think>` stays visible) and drop the EOS that ended a row.
+    """
+    encoded = [tokenizer.encode(p) for p in prompts]
+    input_ids, attention_mask = _left_pad(encoded, getattr(tokenizer, "pad_token_id", None))
+    out = generate(
+        model,
+        input_ids.to(device),
+        attention_mask.to(device),
+        eos_token_id=stop_token_ids(tokenizer),
+        num_return_sequences=num_return_sequences,
+        **sampling,
+    )
+    texts = [
+        _decode_completion(tokenizer, ids, m, bool(t))
+        for ids, m, t in zip(out.completion_ids, out.completion_mask, out.truncated)
+    ]
+    return encoded, out, texts
+
+
 def sample_rollouts_batch(
     model,
     tokenizer,
@@ -304,19 +326,17 @@ def sample_rollouts_batch(
     Each prompt is prefilled once (left padded among the N) and its cache row repeated G times,
     so a GRPO step with several prompts runs one decoding loop instead of N.
     """
-    encoded = [tokenizer.encode(p) for p in prompts]
-    input_ids, attention_mask = _left_pad(encoded, getattr(tokenizer, "pad_token_id", None))
-    out = generate(
+    encoded, out, texts = _generate_from_texts(
         model,
-        input_ids.to(device),
-        attention_mask.to(device),
+        tokenizer,
+        prompts,
+        device,
+        num_rollouts,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        eos_token_id=stop_token_ids(tokenizer),
         generator=generator,
-        num_return_sequences=num_rollouts,
     )
     groups = []
     for n, ids in enumerate(encoded):
@@ -324,19 +344,14 @@ def sample_rollouts_batch(
         lengths = out.lengths[rows]
         T = int(lengths.max()) if lengths.numel() else 0  # drop columns only other groups used
         completion_ids, mask = out.completion_ids[rows, :T], out.completion_mask[rows, :T]
-        truncated = out.truncated[rows]
-        texts = [
-            _decode_completion(tokenizer, c, m, bool(t))
-            for c, m, t in zip(completion_ids, mask, truncated)
-        ]
         groups.append(
             Rollouts(
                 prompt_ids=torch.tensor(ids, dtype=torch.long, device=device),
                 completion_ids=completion_ids,
                 completion_mask=mask,
-                texts=texts,
+                texts=texts[rows],
                 lengths=lengths,
-                truncated=truncated,
+                truncated=out.truncated[rows],
             )
         )
     return groups
@@ -380,22 +395,17 @@ def generate_batch(
     generator: torch.Generator | None = None,
 ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """Complete different prompts in one left-padded batch -> (texts, ids, mask)."""
-    encoded = [tokenizer.encode(p) for p in prompts]
-    input_ids, attention_mask = _left_pad(encoded, getattr(tokenizer, "pad_token_id", None))
-    out = generate(
+    _, out, texts = _generate_from_texts(
         model,
-        input_ids.to(device),
-        attention_mask.to(device),
+        tokenizer,
+        prompts,
+        device,
+        1,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
-        eos_token_id=stop_token_ids(tokenizer),
         generator=generator,
     )
-    texts = [
-        _decode_completion(tokenizer, ids, m, bool(t))
-        for ids, m, t in zip(out.completion_ids, out.completion_mask, out.truncated)
-    ]
     return texts, out.completion_ids, out.completion_mask
 
 
