@@ -1,0 +1,231 @@
+"""Benchmark: one GRPO training step, this package's batched path vs the book's chapter 7 style.
+
+Ours: `collect_rollouts` (G rollouts per prompt from one shared prefill, decoded as a batch),
+one packed log-prob pass for the reference model, and the update on per-token log-probs from a
+single batched forward (old log-probs = the current ones detached, no model copy).
+Book style: G sequential `sample_response` calls per prompt, a `copy.deepcopy` of the model as
+the old policy every step, and one `sequence_logprob` call per rollout for policy, old policy and
+reference. Both use the same random model, prompts, G, token budget (EOS disabled so every
+completion runs to max_new_tokens), rewards, optimizer and KL weight. Prints time per step split
+into rollout / scoring / log-prob / update, generated tokens/s, peak memory and the speed-up.
+Not a test: numbers depend on the machine.
+
+    python benchmarks/bench_grpo_step.py                         # tiny size on the best device
+    python benchmarks/bench_grpo_step.py --sizes tiny 0.6b --steps 2
+"""
+
+import argparse
+import copy
+import resource
+import time
+
+import torch
+
+from reasoning_from_scratch.device import get_device
+from reasoning_from_scratch.generation import sample_response
+from reasoning_from_scratch.grpo import (
+    batch_logprobs,
+    collect_rollouts,
+    compute_advantage_stats,
+    grpo_loss_on_batch,
+    sequence_logprob,
+)
+from reasoning_from_scratch.prompts import render_prompt
+from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, Qwen3Model, tiny_config
+from reasoning_from_scratch.rewards import CompositeReward, RewardTerm, correctness_reward
+from reasoning_from_scratch.tiny_world import TINY_ARITH_ARCH
+
+PROBLEMS = [{"problem": f"{a}+{b}*{c}", "answer": str(a + b * c)}
+            for a, b, c in [(12, 3, 4), (7, 9, 2), (25, 4, 3), (18, 6, 5), (9, 8, 7), (30, 2, 2),
+                            (14, 5, 6), (21, 7, 3)]]
+
+
+class NoEosTokenizer:
+    """Stand-in tokenizer: one id per character and no EOS, so every rollout has full length."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+    def __init__(self, vocab_size):
+        self.vocab_size = vocab_size
+
+    def encode(self, text):
+        return [1 + ord(c) % (self.vocab_size - 1) for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(48 + i % 10) for i in ids)  # digits: the grader has work to do
+
+
+def even_fraction(text, ids, prompt_len, example):
+    """A reward with signal for a random model: fraction of even generated ids."""
+    gen = ids[prompt_len:]
+    return float((gen % 2 == 0).float().mean()) if gen.numel() else 0.0
+
+
+class Timed:
+    """Wrap a reward function and add up the seconds spent in it (the scoring time)."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds = fn, 0.0
+        self.names = getattr(fn, "names", None)
+
+    def __call__(self, *args):
+        t = time.perf_counter()
+        out = self.fn(*args)
+        self.seconds += time.perf_counter() - t
+        return out
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_model(size, device):
+    torch.manual_seed(0)
+    if size == "tiny":
+        cfg = tiny_config(vocab_size=384, **TINY_ARITH_ARCH)
+    else:
+        cfg = QWEN3_0_6B_CONFIG
+    return Qwen3Model(cfg).to(device=device, dtype=torch.float32)
+
+
+def ours_step(model, ref, opt, tok, prompts, args, device, gen, reward):
+    """This package's step; returns {phase: seconds}."""
+    reward.seconds = 0.0
+    sync(device)
+    t0 = time.perf_counter()
+    batch = collect_rollouts(model, tok, prompts, device, reward, args.G, args.max_new_tokens,
+                             1.0, 1.0, gen)
+    sync(device)
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        ref_logp, _ = batch_logprobs(ref, batch, with_entropy=False)
+    sync(device)
+    t2 = time.perf_counter()
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    out = grpo_loss_on_batch(model, batch, None, ref_logp, "grpo", 0.2, None, args.beta)
+    out["loss"].backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    model.eval()
+    sync(device)
+    t3 = time.perf_counter()
+    return {"rollout": t1 - t0 - reward.seconds, "scoring": reward.seconds, "logprob": t2 - t1,
+            "update": t3 - t2, "tokens": batch.num_generated_tokens}
+
+
+def book_step(model, ref, opt, tok, prompts, args, device, gen, reward):
+    """The book's chapter 7 step written plainly; returns {phase: seconds}."""
+    sync(device)
+    t0 = time.perf_counter()
+    rollouts, score_s = [], 0.0
+    for ex in prompts:
+        for _ in range(args.G):  # one rollout at a time
+            ids, plen, text = sample_response(model, tok, render_prompt(ex["problem"]), device,
+                                              max_new_tokens=args.max_new_tokens,
+                                              temperature=1.0, top_p=1.0, generator=gen)
+            ts = time.perf_counter()
+            r = reward(text, ids, plen, ex)[0]
+            score_s += time.perf_counter() - ts
+            rollouts.append((ids, plen, r))
+    sync(device)
+    t1 = time.perf_counter()
+    old_model = copy.deepcopy(model)  # the old policy, copied every step
+    with torch.no_grad():
+        old = [sequence_logprob(old_model, ids, plen) for ids, plen, _ in rollouts]
+        refs = [sequence_logprob(ref, ids, plen) for ids, plen, _ in rollouts]
+    sync(device)
+    t2 = time.perf_counter()
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    G = args.G
+    loss = 0.0
+    for i in range(len(prompts)):
+        group = rollouts[i * G:(i + 1) * G]
+        adv = compute_advantage_stats([r for _, _, r in group])[0].to(device)
+        logps = torch.stack([sequence_logprob(model, ids, plen) for ids, plen, _ in group])
+        ratio = torch.exp(logps - torch.stack(old[i * G:(i + 1) * G]))
+        obj = torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+        kl = torch.mean(logps - torch.stack(refs[i * G:(i + 1) * G]))
+        loss = loss + (-obj.mean() + args.beta * kl) / len(prompts)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    model.eval()
+    sync(device)
+    t3 = time.perf_counter()
+    del old_model
+    tokens = sum(int(ids.numel()) - plen for ids, plen, _ in rollouts)
+    return {"rollout": t1 - t0 - score_s, "scoring": score_s, "logprob": t2 - t1,
+            "update": t3 - t2, "tokens": tokens}
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (Linux)
+
+
+def run(size, args, device):
+    print(f"\n== {size} model, {args.prompts} prompts x G={args.G}, {args.max_new_tokens} new "
+          f"tokens, beta={args.beta}, {args.steps} timed steps (+{args.warmup} warm-up) on "
+          f"{device} ==")
+    results = {}
+    for name, step_fn in (("book", book_step), ("ours", ours_step)):
+        model = make_model(size, device).eval()
+        ref = copy.deepcopy(model).requires_grad_(False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        tok = NoEosTokenizer(model.cfg.vocab_size)
+        reward = Timed(CompositeReward([RewardTerm("correct", correctness_reward),
+                                        RewardTerm("even", even_fraction)]))
+        gen = torch.Generator(device=device).manual_seed(0)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        prompts = prompts_for(args)
+        for _ in range(args.warmup):
+            step_fn(model, ref, opt, tok, prompts, args, device, gen, reward)
+        totals = {}
+        for _ in range(args.steps):
+            for k, v in step_fn(model, ref, opt, tok, prompts, args, device, gen, reward).items():
+                totals[k] = totals.get(k, 0.0) + v / args.steps
+        totals["step"] = sum(totals[k] for k in ("rollout", "scoring", "logprob", "update"))
+        totals["peak_mb"] = peak_memory_mb(device)
+        results[name] = totals
+        print(f"{name:5s} step {totals['step']:7.2f} s | rollout {totals['rollout']:6.2f} | "
+              f"scoring {totals['scoring']:5.2f} | logprob {totals['logprob']:6.2f} | update "
+              f"{totals['update']:6.2f} | {totals['tokens'] / totals['step']:8.1f} tok/s | "
+              f"peak {totals['peak_mb']:.0f} MB")
+        del model, ref, opt
+    speedup = results["book"]["step"] / results["ours"]["step"]
+    print(f"speed-up per step (book / ours): {speedup:.2f}x")
+    return results
+
+
+def prompts_for(args):
+    return [PROBLEMS[i % len(PROBLEMS)] for i in range(args.prompts)]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sizes", nargs="+", default=["tiny"], choices=["tiny", "0.6b"],
+                   help="model sizes (random weights): tiny-arith architecture, Qwen3-0.6B")
+    p.add_argument("--device", default=None, help="cuda, mps or cpu (None: the best available)")
+    p.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    p.add_argument("--G", type=int, default=8, help="rollouts per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per rollout")
+    p.add_argument("--beta", type=float, default=0.04, help="KL weight (both paths keep a ref)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per path")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per path")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (None: default)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = get_device(args.device)
+    return {size: run(size, args, device) for size in args.sizes}
+
+
+if __name__ == "__main__":
+    main()

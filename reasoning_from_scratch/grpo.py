@@ -1,0 +1,522 @@
+"""GRPO maths: group-relative advantages, (chunked) per-token log-probs and entropies, the clipped
+surrogate, the k3 KL estimate, loss aggregation, and `compute_grpo_loss` for one prompt.
+
+References
+- GRPO: Shao et al., "DeepSeekMath", arXiv 2402.03300, section 4.1 (eq. 3: clipped surrogate per
+  token, averaged over each completion's tokens and over the group; eq. 4: k3 KL estimator).
+- PPO clipping: Schulman et al., "Proximal Policy Optimization", arXiv 1707.06347, eq. 7.
+- k3 KL estimator: J. Schulman, "Approximating KL divergence" (2020), http://joschu.net/blog/kl-approx.html
+- DAPO: Yu et al., arXiv 2503.14476: clip-higher (a larger upper clip `epsilon_high`, section 3.1),
+  token-level loss (section 3.3), overlong filtering of truncated completions (section 3.4).
+- Dr. GRPO: Liu et al., "Understanding R1-Zero-Like Training", arXiv 2503.20783: no division by the
+  group std (`scale_rewards="none"`) and no per-sequence length normalisation (`dr_grpo` loss).
+- DeepSeek-R1 (arXiv 2501.12948) trained with epsilon = 10, i.e. clipping almost never active.
+
+Shapes: B rollouts (= N prompts x G rollouts each), L packed sequence length, Tc completion length,
+V vocabulary, H hidden size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .generation import sample_rollouts_batch
+from .prompts import render_prompt
+from .rewards import build_reward
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "sequence")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+# ----------------------------------------------------------------------------------------------
+# Advantages
+# ----------------------------------------------------------------------------------------------
+
+def compute_advantage_stats(rewards_list):
+    """Book chapter 7: group-normalised advantages (r - mean) / (std + 1e-4), their mean and std."""
+    rewards = torch.tensor(rewards_list, dtype=torch.float32)
+    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+
+    adv_avg = advantages.mean().item()  # always ~0: a property of the normalisation
+    adv_std = advantages.std().item()  # ~1 with mixed rewards, 0 when all rewards are equal
+    return advantages, adv_avg, adv_std
+
+
+def group_advantages(rewards, scale_rewards="group", eps=1e-4):
+    """Advantages (N, G) from rewards (N, G): subtract each group's mean, then scale.
+
+    scale_rewards: "group" divides by each group's std (GRPO, DeepSeekMath section 4.1.2);
+    "batch" divides by the std of all N x G rewards (less noisy with small groups); "none" keeps
+    the centred rewards (Dr. GRPO, arXiv 2503.20783: the group std up-weights too-easy and too-hard
+    questions). Std is torch's default (unbiased), matching `compute_advantage_stats`.
+    """
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    if rewards.dim() == 1:
+        rewards = rewards.unsqueeze(0)
+    if rewards.dim() != 2 or rewards.shape[1] < 2:
+        raise ValueError(
+            f"group_advantages: rewards must be (N, G) with G >= 2, got {tuple(rewards.shape)}"
+        )
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    centred = rewards - rewards.mean(dim=1, keepdim=True)  # (N, G)
+    if scale_rewards == "none":
+        return centred
+    if scale_rewards == "group":
+        std = rewards.std(dim=1, keepdim=True)  # (N, 1)
+    else:
+        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+    return centred / (std + eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probabilities and entropies
+# ----------------------------------------------------------------------------------------------
+
+def _answer_log_softmax(model, token_ids, prompt_len):
+    """Log-softmax rows (n, V) predicting the n answer tokens, and those tokens (n,)."""
+    if token_ids.dim() != 1:
+        raise ValueError(f"token_ids must be 1-D (prompt + answer), got {tuple(token_ids.shape)}")
+    if not 1 <= prompt_len <= token_ids.shape[0]:
+        raise ValueError(f"prompt_len {prompt_len} outside [1, {token_ids.shape[0]}]")
+    logits = model(token_ids.unsqueeze(0)).squeeze(0).float()  # (T, V)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    # Row t predicts token t+1, so the answer tokens token_ids[prompt_len:] come from rows
+    # prompt_len-1 .. T-2.
+    return logprobs[prompt_len - 1:-1], token_ids[prompt_len:]
+
+
+def sequence_logprob(model, token_ids, prompt_len):
+    """Book chapter 6: summed float32 log-probability of the answer tokens (0 if empty)."""
+    rows, targets = _answer_log_softmax(model, token_ids, prompt_len)
+    return rows.gather(1, targets.unsqueeze(-1)).squeeze(-1).sum()
+
+
+def sequence_logprob_and_entropy(model, token_ids, prompt_len):
+    """Book chapter 7: (summed answer log-prob, mean per-token entropy); 0 and 0 if empty."""
+    rows, targets = _answer_log_softmax(model, token_ids, prompt_len)
+    logp_all_steps = rows.gather(1, targets.unsqueeze(-1)).squeeze(-1).sum()
+    if targets.numel() == 0:
+        return logp_all_steps, rows.new_zeros(())
+    step_entropy = -(rows.exp() * rows).sum(dim=-1)  # (n,) H = -sum_v p log p
+    return logp_all_steps, step_entropy.mean()
+
+
+def _logprob_entropy_chunk(head, h, targets, with_entropy):
+    """log p(target) (n,) and entropy (n,) for hidden states h (n, H); logits live only here."""
+    logprobs = torch.log_softmax(head(h).float(), dim=-1)  # (n, V) float32
+    logp = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    return logp, -(logprobs.exp() * logprobs).sum(dim=-1)
+
+
+def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len=None,
+                               completion_mask=None, chunk_size=1024, with_entropy=True):
+    """Per-token answer log-probs and entropies (B, Tc), float32, 0 where not `completion_mask`.
+
+    input_ids (B, L) = (left-padded) prompts followed by completions that all start at column
+    `prompt_len`; attention_mask (B, L) marks real tokens (left padding 0). The final hidden states
+    come from `model.forward_hidden`; `model.lm_head` is applied to at most `chunk_size` answer
+    positions at a time, and under autograd each chunk is checkpointed, so neither the forward nor
+    the backward pass ever holds more than one (chunk_size, V) float32 logits block (Qwen's V is
+    151,936: all 64 x 512 positions at once would be 20 GB). Models without `forward_hidden` fall
+    back to full logits (fine for small vocabularies).
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (B, L), got {tuple(input_ids.shape)}")
+    B, L = input_ids.shape
+    if prompt_len is None or not 1 <= prompt_len <= L:
+        raise ValueError(f"prompt_len (first completion column) must be in [1, {L}], "
+                         f"got {prompt_len}")
+    Tc = L - prompt_len
+    if completion_mask is None:
+        completion_mask = torch.ones(B, Tc, dtype=torch.bool, device=input_ids.device)
+    if completion_mask.shape != (B, Tc):
+        raise ValueError(
+            f"completion_mask shape {tuple(completion_mask.shape)} != "
+            f"(B, L - prompt_len) = {(B, Tc)}"
+        )
+    if hasattr(model, "forward_hidden"):
+        hidden = model.forward_hidden(input_ids, attention_mask)  # (B, L, H)
+        head = model.lm_head
+    else:
+        hidden = model(input_ids, attention_mask)  # (B, L, V): logits are the "hidden" states
+        head = torch.nn.Identity()
+    mask = completion_mask.bool()
+    h = hidden[:, prompt_len - 1:-1][mask]  # (n, H): only real answer positions, row-major
+    targets = input_ids[:, prompt_len:][mask]  # (n,)
+
+    use_ckpt = torch.is_grad_enabled() and h.requires_grad
+    logp_parts, ent_parts = [], []
+    for s in range(0, h.shape[0], chunk_size):
+        args = (head, h[s:s + chunk_size], targets[s:s + chunk_size], with_entropy)
+        if use_ckpt:
+            lp, ent = checkpoint(_logprob_entropy_chunk, *args, use_reentrant=False)
+        else:
+            lp, ent = _logprob_entropy_chunk(*args)
+        logp_parts.append(lp)
+        ent_parts.append(ent)
+
+    logp = hidden.new_zeros((B, Tc), dtype=torch.float32)
+    entropy = hidden.new_zeros((B, Tc), dtype=torch.float32)
+    if logp_parts:
+        # masked_scatter fills the True positions in row-major order, matching h = hidden[mask].
+        logp = logp.masked_scatter(mask, torch.cat(logp_parts))
+        entropy = entropy.masked_scatter(mask, torch.cat(ent_parts))
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss pieces
+# ----------------------------------------------------------------------------------------------
+
+def k3_kl(logp, ref_logp):
+    """Per-token k3 estimate of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1.
+
+    Always >= 0 and unbiased (Schulman 2020); DeepSeekMath eq. 4.
+    """
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def clipped_surrogate(logp, old_logp, advantages, epsilon=0.2, epsilon_high=None):
+    """PPO objective to maximise, per element: min(r A, clip(r, 1 - eps, 1 + eps_high) A).
+
+    r = exp(logp - old_logp). The pessimistic `min` (Schulman et al. 2017, eq. 7) is, written with
+    `where`: A x min(r, clip(r)) for A >= 0 (no reward for pushing r above 1 + eps_high) and
+    A x max(r, clip(r)) for A < 0 (no reward for pushing r below 1 - eps), since multiplying by a
+    negative A swaps min and max. Note the min/max act on the ratios: taking `max(rA, clip(r)A)`
+    of the *products* for A < 0 would be the optimistic bound (tests/test_grpo.py shows the
+    difference). `epsilon=None` disables clipping (book chapter 6); `epsilon_high` (DAPO
+    clip-higher, section 3.1) defaults to `epsilon`. Advantages (B, 1) broadcast over (B, T).
+    """
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * advantages
+    if epsilon is None:
+        return unclipped
+    high = epsilon if epsilon_high is None else epsilon_high
+    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + high) * advantages
+    return torch.minimum(unclipped, clipped)
+
+
+def aggregate_loss(per_token_loss, mask, loss_type="grpo", max_completion_length=None):
+    """Reduce a (B, T) per-token loss over the real tokens in `mask` to a scalar.
+
+    grpo: mean over each sequence's tokens, then over sequences (DeepSeekMath eq. 3; long answers
+    get less weight per token). dapo: mean over all tokens of the batch (DAPO section 3.3).
+    dr_grpo: sum / (B x max_completion_length), a constant normaliser (Dr. GRPO section 3.1).
+    sequence: sum over each sequence's tokens, mean over sequences (the book's chapter 6/7
+    `-(advantages * summed_logps).mean()`).
+    """
+    if per_token_loss.shape != mask.shape:
+        raise ValueError(
+            f"per_token_loss {tuple(per_token_loss.shape)} and mask {tuple(mask.shape)} differ"
+        )
+    m = mask.to(per_token_loss.dtype)
+    masked = per_token_loss * m
+    if loss_type == "grpo":
+        return (masked.sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    if loss_type == "dapo":
+        return masked.sum() / m.sum().clamp(min=1)
+    if loss_type == "dr_grpo":
+        T = per_token_loss.shape[1] if max_completion_length is None else max_completion_length
+        return masked.sum() / (per_token_loss.shape[0] * T)
+    if loss_type == "sequence":
+        return masked.sum(-1).mean()
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def _as_column(advantages, logp):
+    """Advantages (B,) -> (B, 1) to broadcast over tokens; (B, T) per-token ones pass through."""
+    if advantages.dim() == 1 and advantages.shape[0] == logp.shape[0]:
+        return advantages.unsqueeze(-1)
+    if advantages.shape == logp.shape:
+        return advantages
+    raise ValueError(
+        f"advantages must be (B,) or (B, T) = {tuple(logp.shape)}, got {tuple(advantages.shape)}"
+    )
+
+
+def clipped_policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsilon=0.2,
+                        epsilon_high=None, ref_logp=None, beta=0.0, entropy=None,
+                        entropy_coef=0.0, max_completion_length=None):
+    """GRPO loss = -surrogate + beta x KL - entropy_coef x entropy, and detached statistics.
+
+    logp/old_logp/ref_logp/entropy (B, T) per token, mask (B, T) real answer tokens, advantages
+    (B,) per completion (outcome supervision) or (B, T) per token (process supervision).
+    loss_type "sequence" applies the ratio and clipping to the summed log-probs of a completion
+    (the book's chapters 6-7); it needs (B,) advantages. The KL (k3, per token; the book's
+    chapter 7 used the sequence-level difference of log-probs) and the entropy bonus are reduced
+    like the policy term (the bonus as a per-sequence mean for "sequence").
+    Returns a dict: loss (tensor with grad), and detached floats pg_loss, kl, entropy (mean per
+    answer token), ratio_mean, ratio_max, clip_frac_low, clip_frac_high (fraction of tokens,
+    or of completions for "sequence", where the clipped side of the min is active).
+    """
+    maskf = mask.to(logp.dtype)
+    high = epsilon if epsilon_high is None else epsilon_high
+    if loss_type == "sequence":
+        if advantages.dim() != 1:
+            raise ValueError("loss_type='sequence' needs per-completion advantages of shape (B,)")
+        seq_logp, seq_old = (logp * maskf).sum(-1), (old_logp * maskf).sum(-1)  # (B,)
+        pg_loss = -clipped_surrogate(seq_logp, seq_old, advantages, epsilon, epsilon_high).mean()
+        ratio, adv, stat_mask = torch.exp(seq_logp - seq_old), advantages, torch.ones_like(seq_logp)
+    else:
+        adv = _as_column(advantages, logp)
+        per_token = -clipped_surrogate(logp, old_logp, adv, epsilon, epsilon_high)  # (B, T)
+        pg_loss = aggregate_loss(per_token, mask, loss_type, max_completion_length)
+        ratio, stat_mask = torch.exp(logp - old_logp), maskf
+    loss = pg_loss
+
+    kl = torch.zeros((), device=logp.device)
+    if ref_logp is not None and beta:
+        kl = aggregate_loss(k3_kl(logp, ref_logp), mask, loss_type, max_completion_length)
+        loss = loss + beta * kl
+    ent = torch.zeros((), device=logp.device)
+    if entropy is not None:
+        ent = aggregate_loss(entropy.detach(), mask, "dapo")  # logged: mean per answer token
+        if entropy_coef:
+            bonus_type = "grpo" if loss_type == "sequence" else loss_type
+            bonus = aggregate_loss(entropy, mask, bonus_type, max_completion_length)
+            loss = loss - entropy_coef * bonus  # higher entropy lowers the loss
+
+    with torch.no_grad():
+        n = stat_mask.sum().clamp(min=1)
+        r, a = ratio.detach(), adv.detach().expand_as(ratio)
+        low = ((r < 1 - epsilon) & (a < 0)).float() if epsilon is not None else torch.zeros_like(r)
+        hi = ((r > 1 + high) & (a > 0)).float() if epsilon is not None else torch.zeros_like(r)
+        stats = {
+            "pg_loss": pg_loss.item(),
+            "kl": kl.item(),
+            "entropy": ent.item(),
+            "ratio_mean": ((r * stat_mask).sum() / n).item(),
+            "ratio_max": r.masked_fill(stat_mask == 0, float("-inf")).max().item()
+            if r.numel() else 1.0,
+            "clip_frac_low": ((low * stat_mask).sum() / n).item(),
+            "clip_frac_high": ((hi * stat_mask).sum() / n).item(),
+        }
+    return {"loss": loss, **stats}
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollouts -> a packed batch
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class RolloutBatch:
+    """G rollouts for each of N prompts, scored and packed into one padded tensor batch."""
+
+    input_ids: torch.Tensor  # (B, L): left-padded prompt | completion padded on the right
+    attention_mask: torch.Tensor | None  # (B, L) 1 real, 0 left padding; None when no padding
+    prompt_len: int  # first completion column (the padded prompt length)
+    completion_mask: torch.Tensor  # (B, Tc) bool: tokens that enter the loss
+    advantages: torch.Tensor  # (B,) or (B, Tc)
+    rewards: torch.Tensor  # (N, G) all groups, including skipped ones
+    samples: list = field(default_factory=list)  # one dict per rollout of every group
+    zero_adv_frac: float = 0.0  # fraction of groups whose rewards were all equal
+    num_generated_tokens: int = 0  # generated tokens of all rollouts (for tokens/s)
+
+    @property
+    def size(self) -> int:
+        """Number of rollouts B that enter the loss."""
+        return self.input_ids.shape[0]
+
+    def slice(self, start, stop) -> RolloutBatch:
+        """Rows start:stop (a micro-batch); statistics fields are shared, not sliced."""
+        am = None if self.attention_mask is None else self.attention_mask[start:stop]
+        return RolloutBatch(
+            self.input_ids[start:stop], am, self.prompt_len,
+            self.completion_mask[start:stop], self.advantages[start:stop], self.rewards,
+            self.samples, self.zero_adv_frac, self.num_generated_tokens,
+        )
+
+
+def pack_rollouts(prompts_ids, completion_ids, completion_masks, pad_id=0):
+    """Left-pad prompts and right-pad completions so all completions start at the same column.
+
+    prompts_ids: N 1-D prompt tensors; completion_ids/completion_masks: N (G_i, T_i) tensors.
+    Returns input_ids (B, L), attention_mask (B, L) or None, prompt_len, completion_mask (B, Tc).
+    """
+    P = max(p.shape[0] for p in prompts_ids)
+    Tc = max(c.shape[1] for c in completion_ids)
+    rows, attn, cmask = [], [], []
+    for p, c, m in zip(prompts_ids, completion_ids, completion_masks):
+        G, T = c.shape
+        pad_p = P - p.shape[0]
+        prompt = torch.cat([p.new_full((pad_p,), pad_id), p]).expand(G, P)
+        comp = torch.cat([c, c.new_full((G, Tc - T), pad_id)], dim=1)
+        rows.append(torch.cat([prompt, comp], dim=1))
+        a = torch.ones(G, P + Tc, dtype=torch.long, device=c.device)
+        a[:, :pad_p] = 0
+        attn.append(a)
+        cmask.append(torch.cat([m.bool(), m.new_zeros((G, Tc - T), dtype=torch.bool)], dim=1))
+    attention_mask = torch.cat(attn)
+    if bool(attention_mask.all()):
+        attention_mask = None  # no padding: lets the model use plain causal attention
+    return torch.cat(rows), attention_mask, P, torch.cat(cmask)
+
+
+@torch.no_grad()
+def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts=8,
+                     max_new_tokens=512, temperature=0.8, top_p=0.9, generator=None,
+                     scale_rewards="group", skip_zero_advantage=False, mask_truncated=False,
+                     prompt_fn: Callable[[str], str] = render_prompt,
+                     advantage_fn=None) -> RolloutBatch:
+    """Sample G rollouts per example (one prefill each, all decoded together), score, pack.
+
+    reward_fn(text, token_ids, prompt_len, example) -> (total, components) (a `CompositeReward`).
+    skip_zero_advantage drops groups whose rewards are all equal (zero advantage: no policy
+    gradient, only compute). mask_truncated removes completions that hit max_new_tokens without
+    EOS from the loss (DAPO section 3.4 overlong filtering).
+    advantage_fn (process supervision hook): called as advantage_fn(groups, advantages,
+    completion_mask) with groups = [(example, Rollouts, [(reward, components), ...G]), ...] for
+    the kept groups, advantages (N_kept, G) the outcome advantages, completion_mask (B, Tc) the
+    packed mask (rows: group after group, G each, columns: completion tokens); it returns the
+    (B, Tc) per-token advantages (rollout g of kept group i is row i * G + g). Default: the
+    outcome advantages `group_advantages`, one per completion.
+    """
+    was_training = model.training
+    model.eval()
+    # All N prompts in one decoding loop: one prefill per prompt, its cache row repeated G times.
+    all_rollouts = sample_rollouts_batch(
+        model, tokenizer, [prompt_fn(ex["problem"]) for ex in examples], num_rollouts, device,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, generator=generator,
+    )
+    model.train(was_training)
+    groups = []
+    for example, ro in zip(examples, all_rollouts):
+        P = ro.prompt_ids.shape[0]
+        scored = [reward_fn(ro.texts[i], ro.full_ids(i), P, example) for i in range(num_rollouts)]
+        groups.append((example, ro, scored))
+
+    rewards = torch.tensor([[s[0] for s in scored] for _, _, scored in groups])  # (N, G)
+    advantages = group_advantages(rewards, scale_rewards)  # (N, G)
+    zero = (rewards == rewards[:, :1]).all(dim=1)  # (N,) groups without signal
+    keep = [i for i in range(len(groups)) if not (skip_zero_advantage and zero[i])]
+
+    samples = []
+    for i, (example, ro, scored) in enumerate(groups):
+        for g in range(num_rollouts):
+            samples.append({
+                "problem": example["problem"], "answer": example["answer"],
+                "text": ro.texts[g], "reward": scored[g][0], **scored[g][1],
+                "advantage": advantages[i, g].item(), "length": int(ro.lengths[g]),
+                "truncated": bool(ro.truncated[g]),
+            })
+    num_tokens = int(sum(int(ro.lengths.sum()) for _, ro, _ in groups))
+
+    if not keep:
+        empty = torch.zeros(0, 1, dtype=torch.long, device=device)
+        return RolloutBatch(empty, None, 1, empty.bool(), torch.zeros(0, device=device), rewards,
+                            samples, zero.float().mean().item(), num_tokens)
+
+    masks = []
+    for i in keep:
+        ro = groups[i][1]
+        m = ro.completion_mask.bool()
+        if mask_truncated:
+            m = m & ~ro.truncated.bool().to(m.device)[:, None]
+        masks.append(m)
+    input_ids, attention_mask, prompt_len, completion_mask = pack_rollouts(
+        [groups[i][1].prompt_ids for i in keep], [groups[i][1].completion_ids for i in keep],
+        masks, pad_id=_pad_id(tokenizer),
+    )
+    if advantage_fn is not None:
+        adv = advantage_fn([groups[i] for i in keep], advantages[keep], completion_mask)
+    else:
+        adv = advantages[keep].reshape(-1)  # (B,)
+    return RolloutBatch(input_ids, attention_mask, prompt_len, completion_mask,
+                        adv.to(device), rewards, samples, zero.float().mean().item(), num_tokens)
+
+
+def _pad_id(tokenizer):
+    """Padding id for packing (never attended to, never scored)."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def batch_logprobs(model, batch: RolloutBatch, chunk_size=1024, with_entropy=True):
+    """Per-token (log-probs, entropies) (B, Tc) of a packed batch under `model`."""
+    return token_logprobs_and_entropy(model, batch.input_ids, batch.attention_mask,
+                                      batch.prompt_len, batch.completion_mask, chunk_size,
+                                      with_entropy)
+
+
+def grpo_loss_on_batch(model, batch: RolloutBatch, old_logp=None, ref_logp=None, loss_type="grpo",
+                       epsilon=0.2, epsilon_high=None, beta=0.0, entropy_coef=0.0,
+                       max_completion_length=None, chunk_size=1024):
+    """Loss dict of `clipped_policy_loss` for a packed batch (log-probs with grad).
+
+    old_logp None means "the policy that sampled the batch is the current one": the old log-probs
+    are the current ones detached (ratio exactly 1), which saves a forward pass when each batch
+    gets a single update; pass precomputed old log-probs for PPO-style inner epochs.
+    """
+    logp, entropy = batch_logprobs(model, batch, chunk_size, with_entropy=True)
+    if not entropy_coef:
+        entropy = entropy.detach()
+    old = logp.detach() if old_logp is None else old_logp
+    out = clipped_policy_loss(logp, old, batch.advantages, batch.completion_mask, loss_type,
+                              epsilon, epsilon_high, ref_logp, beta, entropy, entropy_coef,
+                              max_completion_length)
+    out["num_tokens"] = int(batch.completion_mask.sum())
+    return out
+
+
+def compute_grpo_loss(model, tokenizer, example, device, num_rollouts=8, max_new_tokens=512,
+                      temperature=0.8, top_p=0.9, *, reward_fn=None, format_reward_weight=0.0,
+                      format_reward_conditional=False, loss_type="grpo", epsilon=0.2,
+                      epsilon_high=None, beta=0.0, ref_model=None, scale_rewards="group",
+                      entropy_coef=0.0, mask_truncated=False, chunk_size=1024, generator=None,
+                      prompt_fn=render_prompt, advantage_fn=None):
+    """GRPO loss for one example (book chapters 6-7 contract), batched over its G rollouts.
+
+    Samples `num_rollouts` completions with one shared prefill, scores them with `reward_fn`
+    (default: correctness + `format_reward_weight` x think format, optionally only when correct),
+    normalises the rewards within the group, and returns a dict with loss, pg_loss, kl_loss,
+    rewards, advantages, samples, loss_tensor (backpropagate this), policy_ratio, clip_fraction,
+    entropy. A KL term needs `beta > 0` and a frozen `ref_model`. See `clipped_policy_loss` and
+    `aggregate_loss` for loss_type/epsilon/epsilon_high, `group_advantages` for scale_rewards,
+    `collect_rollouts` for advantage_fn (token-level advantages, process supervision).
+    """
+    if beta and ref_model is None:
+        raise ValueError("compute_grpo_loss: beta > 0 needs a frozen ref_model")
+    if reward_fn is None:
+        reward_fn = build_reward(tokenizer, format_reward_weight, format_reward_conditional)
+    batch = collect_rollouts(model, tokenizer, [example], device, reward_fn, num_rollouts,
+                             max_new_tokens, temperature, top_p, generator, scale_rewards,
+                             mask_truncated=mask_truncated, prompt_fn=prompt_fn,
+                             advantage_fn=advantage_fn)
+    ref_logp = None
+    if beta:
+        with torch.no_grad():
+            ref_logp, _ = batch_logprobs(ref_model, batch, chunk_size, with_entropy=False)
+    out = grpo_loss_on_batch(model, batch, None, ref_logp, loss_type, epsilon, epsilon_high, beta,
+                             entropy_coef, max_new_tokens, chunk_size)
+    loss_tensor = out["loss"]
+    return {
+        "loss": loss_tensor.item(),
+        "pg_loss": out["pg_loss"],
+        "kl_loss": out["kl"],
+        "rewards": batch.rewards[0].tolist(),
+        "advantages": batch.advantages.tolist(),
+        "samples": batch.samples,
+        "loss_tensor": loss_tensor,
+        "policy_ratio": out["ratio_mean"],
+        "clip_fraction": out["clip_frac_low"] + out["clip_frac_high"],
+        "entropy": out["entropy"],
+    }
+
+
+__all__: Sequence[str] = [
+    "LOSS_TYPES", "SCALE_REWARDS", "compute_advantage_stats", "group_advantages",
+    "sequence_logprob", "sequence_logprob_and_entropy", "token_logprobs_and_entropy", "k3_kl",
+    "clipped_surrogate", "aggregate_loss", "clipped_policy_loss", "RolloutBatch", "pack_rollouts",
+    "collect_rollouts", "batch_logprobs", "grpo_loss_on_batch", "compute_grpo_loss",
+]

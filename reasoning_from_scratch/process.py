@@ -1,0 +1,590 @@
+"""Process supervision for GRPO: reasoning steps, their tokens, and token-level process advantages.
+
+Outcome supervision gives one reward per completion; process supervision scores every intermediate
+reasoning step. This module holds the three pieces that turn step scores into the per-token
+advantages the clipped GRPO loss consumes:
+
+1. `split_steps` cuts a completion's text into character spans (one per step) that cover the whole
+   text, by explicit `Step N:` tags, blank lines, newlines or a user regex.
+2. `step_token_ends` maps those character spans onto the completion's tokens with the tokenizer's
+   character offsets, so each token belongs to exactly one step (never equal token counts per step,
+   as the user's sketch did), and returns the index of each step's last token.
+3. `process_advantages` turns the step rewards of the G completions of one prompt into a
+   `(G, T)` advantage tensor following DeepSeekMath section 4.1.3 (Shao et al. 2024,
+   arXiv 2402.03300): normalise all step rewards of the group together, then give token t the sum
+   of the normalised rewards of the steps that end at or after t. Variants: process + outcome,
+   PURE's min-form credit (Cheng et al. 2025, arXiv 2504.15275), per-step-position normalisation.
+
+`process_token_advantages` glues the three together for a batch of rollouts and a step scorer
+(see `step_scorers.py`); `step_statistics` gives the numbers that reveal process-reward failure
+modes in training logs.
+
+Known failure modes of process advantages (logged by `step_statistics`):
+- With the summed ("sum") credit, a token's advantage is the sum over the steps still to come, so
+  its magnitude grows with the number of remaining steps: early tokens of long solutions get large
+  advantages, and when step rewards are mostly positive after normalisation the policy is pushed
+  towards *more* steps (and towards fewer when they are mostly negative).
+- Since the step is the unit of reward, a policy can game the splitter: split one step into many
+  small correct-looking ones (more positive terms in the sum), or merge steps so a wrong one hides
+  inside a right one. Watch steps per completion and tokens per step.
+- Pooling rewards over all steps of the group mixes positions: late steps of a solution are more
+  often wrong than early ones, so "position" normalisation compares each step only with the same
+  step of the other completions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from collections.abc import Sequence
+
+import torch
+
+#: Default step tag: "Step 1:", "Step 12 :", "step 3:". The number is matched whole ("Step 10:"
+#: is one tag, not "Step 1" + "0:"). A tag glued to a preceding digit ("=42Step 2:", a model that
+#: forgot its newline) still starts a step; glued to a letter ("MyStep 2:") it does not.
+STEP_TAG_PATTERN = r"(?<![A-Za-z])[Ss]tep[ \t]*\d+[ \t]*:"
+
+#: Where the final answer starts; everything from there on is one final step. The last
+#: "</think>" wins; without one, the last "\boxed{".
+ANSWER_PATTERNS = (r"</think>", r"\\boxed\{")
+
+SPLIT_MODES = ("tags", "blank_lines", "newlines", "regex")
+VARIANTS = ("sum", "process+outcome", "min", "position")
+
+_NEWLINE = re.compile(r"\r\n|\n|\r")
+_BLANK_LINES = re.compile(r"(?:\r\n|\n|\r)(?:[ \t]*(?:\r\n|\n|\r))+")
+_THINK_OPEN = re.compile(r"<think>")
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Splitting text into steps
+# ----------------------------------------------------------------------------------------------
+
+
+def _answer_start(text: str, answer_patterns: Sequence[str] | None) -> int:
+    """Character index where the final answer step starts, or len(text) if there is none."""
+    for pat in answer_patterns or ():
+        matches = list(re.finditer(pat, text))
+        if matches:
+            return matches[-1].start()
+    return len(text)
+
+
+def _boundaries(body: str, mode: str, pattern: str | None) -> list[int]:
+    """Start indices (> 0) of the steps after the first, inside `body`."""
+    if mode == "tags":
+        # A tag begins a new step, so the boundary is at the tag's start.
+        return [m.start() for m in re.finditer(pattern or STEP_TAG_PATTERN, body)]
+    if mode == "regex":
+        if pattern is None:
+            raise ValueError("split_steps(mode='regex') needs pattern=...")
+        # Like the tags mode: each match begins a new step (use a lookahead/lookbehind for a
+        # zero-width boundary elsewhere).
+        return [m.start() for m in re.finditer(pattern, body)]
+    if mode == "newlines":
+        # The line break belongs to the line it ends; "\r\n" is one break.
+        return [m.end() for m in _NEWLINE.finditer(body)]
+    if mode == "blank_lines":
+        return [m.end() for m in _BLANK_LINES.finditer(body)]
+    raise ValueError(f"split_steps: unknown mode {mode!r}; expected one of {SPLIT_MODES}")
+
+
+def _is_empty_step(piece: str, mode: str, pattern: str | None) -> bool:
+    """True when a piece has no content beyond whitespace, a `<think>` tag and its step tag."""
+    rest = re.sub(STEP_TAG_PATTERN, "", _THINK_OPEN.sub("", piece))
+    if mode in ("tags", "regex") and pattern:
+        rest = re.sub(pattern, "", rest)
+    return rest.strip() == ""
+
+
+def split_steps(
+    text: str,
+    mode: str = "tags",
+    pattern: str | None = None,
+    answer_patterns: Sequence[str] | None = ANSWER_PATTERNS,
+) -> list[tuple[int, int]]:
+    """Cut `text` into reasoning steps; returns `(start, end)` character spans covering all of it.
+
+    Modes: `"tags"` (a new step at each `Step N:` tag, `STEP_TAG_PATTERN` or `pattern`),
+    `"blank_lines"`, `"newlines"`, `"regex"` (a new step at each match of `pattern`).
+    Rules, so that every character belongs to exactly one step:
+    - spans are contiguous, start at 0 and end at len(text) (no gaps, no overlaps);
+    - text before the first tag (e.g. " <think>\\n") joins the first step;
+    - the answer after the last step (from the last `</think>`, else the last `\\boxed{`) is its
+      own final step and is never split (pass `answer_patterns=()` to turn this off);
+    - line breaks stay with the step they end ("\\r\\n" is never cut in two);
+    - empty steps (only whitespace, `<think>` and the tag) merge into the step before them, or
+      into the next one when they come first.
+    An empty text gives `[]`; a text without boundaries gives one step.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"split_steps: text must be str, got {type(text).__name__}")
+    if mode not in SPLIT_MODES:
+        raise ValueError(f"split_steps: unknown mode {mode!r}; expected one of {SPLIT_MODES}")
+    if not text:
+        return []
+    ans = _answer_start(text, answer_patterns)
+    body = text[:ans]
+    cuts = sorted({b for b in _boundaries(body, mode, pattern) if 0 < b < len(body)})
+    starts = [0, *cuts]
+    spans = [(s, e) for s, e in zip(starts, [*cuts, len(body)]) if e > s]
+    # Merge empty pieces: into the previous step, or forward when nothing precedes them. The text
+    # before the first tag is merged forward even when it is not empty (" <think>\n" preamble).
+    merged: list[list[int]] = []
+    pending_start = None  # start of empty text waiting for the next non-empty piece
+    for i, (s, e) in enumerate(spans):
+        piece = text[s:e]
+        preamble = mode in ("tags", "regex") and i == 0 and cuts and s < cuts[0] and not (
+            re.match(pattern or STEP_TAG_PATTERN, piece)
+        )
+        if preamble or _is_empty_step(piece, mode, pattern):
+            if merged:
+                merged[-1][1] = e
+            elif pending_start is None:
+                pending_start = s
+            continue
+        merged.append([pending_start if pending_start is not None else s, e])
+        pending_start = None
+    if ans < len(text):
+        # An all-empty body (e.g. "Step 1:\n" then the answer) merges into the answer step.
+        merged.append([ans if pending_start is None else pending_start, len(text)])
+    elif pending_start is not None:  # the whole text is empty pieces: keep it as one step
+        merged.append([pending_start, len(text)])
+    elif merged:
+        merged[-1][1] = len(text)
+    return [(s, e) for s, e in merged]
+
+
+def step_texts(text: str, spans: Sequence[tuple[int, int]]) -> list[str]:
+    """The substring of each span."""
+    return [text[s:e] for s, e in spans]
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Mapping character spans onto tokens
+# ----------------------------------------------------------------------------------------------
+
+
+def token_step_owners(
+    offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
+) -> list[int]:
+    """Step index of every token: the span containing the token's first character."""
+    if not spans:
+        raise ValueError("step_token_ends: spans is empty but there are tokens to assign")
+    for j in range(1, len(spans)):
+        if spans[j][0] != spans[j - 1][1]:
+            raise ValueError(f"step_token_ends: spans {j - 1} and {j} are not contiguous: {spans}")
+    starts = [s for s, _ in spans]
+    owners, prev = [], -1
+    for k, (s, _e) in enumerate(offsets):
+        if s < prev:
+            raise ValueError(
+                f"step_token_ends: token offsets must be non-decreasing; token {k} starts at {s} "
+                f"after a token that starts at {prev}"
+            )
+        prev = s
+        # bisect_right - 1: the last span starting at or before s. Tokens past the text's end
+        # (an EOS with an empty offset at len(text)) fall into the last span.
+        owners.append(max(0, bisect.bisect_right(starts, s) - 1))
+    return owners
+
+
+def step_token_ends(
+    offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
+) -> list[int]:
+    """Index of each step's last token, given the tokens' character `offsets` and step `spans`.
+
+    Each token belongs to the step that contains its *first* character. A token that straddles a
+    boundary (e.g. "2\\nStep" or "\\n\\n") was emitted while the policy was still writing the
+    step it starts in, and assigning by the first character keeps every step a contiguous token
+    range, so each token gets exactly one owner. Zero-width tokens (special tokens stripped from
+    the text, the EOS at len(text)) go to the step containing their position: the last step for
+    the EOS.
+    Steps that end up with no token are merged away (their ends are not returned); use
+    `align_steps_to_tokens` to get the matching merged spans. The result is strictly increasing and
+    its last element is `len(offsets) - 1`; no tokens gives `[]`.
+    """
+    if len(offsets) == 0:
+        return []
+    owners = token_step_owners(offsets, spans)
+    ends = [k for k in range(len(owners)) if k == len(owners) - 1 or owners[k + 1] != owners[k]]
+    return ends
+
+
+def align_steps_to_tokens(
+    offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """Merge token-less spans into their neighbours; returns `(spans, ends)` of equal length.
+
+    A span with no token of its own (all its characters lie inside a token that starts in the
+    previous span) joins the previous span; leading token-less spans join the first span that
+    owns a token. The merged spans still cover the same text.
+    """
+    if len(offsets) == 0:
+        return ([(spans[0][0], spans[-1][1])] if spans else []), []
+    owners = token_step_owners(offsets, spans)
+    owned = sorted(set(owners))
+    merged = []
+    for n, j in enumerate(owned):
+        start = spans[0][0] if n == 0 else spans[j][0]
+        end = spans[owned[n + 1] - 1][1] if n + 1 < len(owned) else spans[-1][1]
+        merged.append((start, end))
+    return merged, step_token_ends(offsets, spans)
+
+
+def token_offsets_from_ids(tokenizer, ids: Sequence[int], text: str | None = None):
+    """Character offsets of generated token `ids` inside their decoded `text`.
+
+    Re-encoding a generated text does not always reproduce the generated tokens (BPE has several
+    tokenisations of one string), so when `tokenizer.encode_with_offsets(text)` gives other ids we
+    decode prefixes instead: token k starts where the longest common prefix of
+    `decode(ids[:k])` and the text ends (robust to tokens that hold half a UTF-8 character).
+    """
+    ids = [int(i) for i in ids]
+    if text is None:
+        text = tokenizer.decode(ids)
+    if hasattr(tokenizer, "encode_with_offsets"):
+        enc_ids, offsets = tokenizer.encode_with_offsets(text)
+        if list(enc_ids) == ids:
+            return [(int(s), int(e)) for s, e in offsets]
+    starts = []
+    for k in range(len(ids)):
+        prefix = tokenizer.decode(ids[:k])
+        n = 0
+        limit = min(len(prefix), len(text))
+        while n < limit and prefix[n] == text[n]:
+            n += 1
+        starts.append(n)
+    # Starts must not decrease (a half character can shorten the common prefix).
+    for k in range(len(starts) - 2, -1, -1):
+        starts[k] = min(starts[k], starts[k + 1])
+    ends = [*starts[1:], len(text)]
+    return list(zip(starts, ends))
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Process advantages (DeepSeekMath 4.1.3)
+# ----------------------------------------------------------------------------------------------
+
+
+def normalize_pool(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """`(r - mean) / (std + eps)` over a 1-D pool; zeros when < 2 values or all are equal.
+
+    torch's default std is the unbiased one (divide by n - 1), as in the GRPO advantage; with one
+    value it is NaN, hence the explicit zero.
+    """
+    rewards = rewards.to(torch.float32)
+    if rewards.numel() < 2 or bool((rewards == rewards[0]).all()):
+        return torch.zeros_like(rewards)
+    return (rewards - rewards.mean()) / (rewards.std() + eps)
+
+
+def _validate(step_rewards, step_ends, completion_lengths) -> list[int]:
+    """Check the shapes and index rules of process_advantages' inputs; returns the lengths."""
+    lengths = [int(x) for x in torch.as_tensor(completion_lengths).reshape(-1).tolist()]
+    if len(step_rewards) != len(lengths) or len(step_ends) != len(lengths):
+        raise ValueError(
+            f"process_advantages: got {len(step_rewards)} step_rewards lists, {len(step_ends)} "
+            f"step_ends lists and {len(lengths)} completion_lengths; they must be equal (G)"
+        )
+    if not lengths:
+        raise ValueError("process_advantages: empty group (G = 0)")
+    for i, (rs, es, n) in enumerate(zip(step_rewards, step_ends, lengths)):
+        rs, es = list(rs), [int(e) for e in es]
+        where = f"process_advantages: completion {i}"
+        if n < 0:
+            raise ValueError(f"{where}: negative completion length {n}")
+        if len(rs) != len(es):
+            raise ValueError(f"{where}: {len(rs)} step rewards but {len(es)} step ends")
+        if n == 0:
+            if es:
+                raise ValueError(f"{where}: length 0 but has step ends {es}")
+            continue
+        if not es:
+            raise ValueError(f"{where}: length {n} but no steps (need at least one step)")
+        if es[0] < 0 or any(b <= a for a, b in zip(es, es[1:])):
+            raise ValueError(f"{where}: step_ends must be strictly increasing and >= 0, got {es}")
+        if es[-1] != n - 1:
+            raise ValueError(
+                f"{where}: last step end must be completion_length - 1 = {n - 1}, got {es[-1]}"
+            )
+        if any(not math.isfinite(float(r)) for r in rs):
+            raise ValueError(f"{where}: step rewards must be finite, got {rs}")
+    return lengths
+
+
+def _normalized_rewards(step_rewards, normalize: str, eps: float) -> list[torch.Tensor]:
+    """Normalised step rewards per completion: over the whole group pool or per step position."""
+    flat = torch.tensor([float(r) for rs in step_rewards for r in rs], dtype=torch.float32)
+    if normalize == "group":
+        # DeepSeekMath 4.1.3: one pool of all steps of all G completions.
+        normed = normalize_pool(flat, eps)
+        out, k = [], 0
+        for rs in step_rewards:
+            out.append(normed[k : k + len(rs)])
+            k += len(rs)
+        return out
+    # Per step position j: compare step j only with the step j of the other completions.
+    out = [torch.zeros(len(rs), dtype=torch.float32) for rs in step_rewards]
+    max_steps = max((len(rs) for rs in step_rewards), default=0)
+    for j in range(max_steps):
+        rows = [i for i, rs in enumerate(step_rewards) if len(rs) > j]
+        pool = normalize_pool(torch.tensor([float(step_rewards[i][j]) for i in rows]), eps)
+        for i, v in zip(rows, pool):
+            out[i][j] = v
+    return out
+
+
+def process_advantages(
+    step_rewards: Sequence[Sequence[float]],
+    step_ends: Sequence[Sequence[int]],
+    completion_lengths: Sequence[int] | torch.Tensor,
+    variant: str = "sum",
+    outcome_advantages: Sequence[float] | torch.Tensor | None = None,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Token-level process advantages `(G, max(completion_lengths))` for one group of rollouts.
+
+    DeepSeekMath section 4.1.3: pool the step rewards of all G completions, normalise each as
+    `(r - mean(pool)) / (std(pool) + eps)` (unbiased std; all zeros when the pool has < 2 rewards
+    or they are all equal), and give token t of completion i the sum of the normalised rewards of
+    its steps whose end index is >= t (the credit of every step the token leads into). Positions
+    at or beyond a completion's length are 0.
+
+    `step_rewards[i]`, `step_ends[i]`: one entry per step of completion i; `step_ends[i]` are
+    0-based token indices into the completion, strictly increasing, the last equal to
+    `completion_lengths[i] - 1` (a length-0 completion has no steps). Violations raise a
+    ValueError naming the completion.
+
+    Variants:
+    - `"sum"`: DeepSeekMath as above. Failure mode: the suffix sum grows with the number of
+      remaining steps, so step counts are rewarded or punished for themselves.
+    - `"process+outcome"`: `"sum"` plus `outcome_advantages[i]` (the usual group-normalised
+      outcome advantage, shape `(G,)`) added to every token of completion i: a wrong final answer
+      still costs every token even when the steps looked fine.
+    - `"min"`: PURE's min-form credit (arXiv 2504.15275): token t gets the *minimum* of the
+      normalised rewards of its remaining steps, so the value is bounded by the worst step to
+      come and adding more steps cannot raise it (against step-count reward hacking).
+    - `"position"`: the suffix sum of rewards normalised per step position (step j of every
+      completion pooled only with the step j of the others).
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"process_advantages: unknown variant {variant!r}; expected {VARIANTS}")
+    lengths = _validate(step_rewards, step_ends, completion_lengths)
+    G, T = len(lengths), max(lengths)
+    pool = "position" if variant == "position" else "group"
+    normed = _normalized_rewards(step_rewards, pool, eps)
+    adv = torch.zeros(G, T, dtype=torch.float32)  # (G, T)
+    for i, (r, es, n) in enumerate(zip(normed, step_ends, lengths)):
+        if n == 0:
+            continue
+        if variant == "min":
+            # Suffix minimum: min over steps k >= j, via a reversed running minimum.
+            credit = torch.flip(torch.cummin(torch.flip(r, [0]), 0).values, [0])
+        else:
+            # Suffix sum: sum over steps k >= j.
+            credit = torch.flip(torch.cumsum(torch.flip(r, [0]), 0), [0])
+        es_t = torch.tensor([int(e) for e in es])
+        step_len = torch.diff(es_t, prepend=torch.tensor([-1]))  # tokens per step
+        adv[i, :n] = torch.repeat_interleave(credit, step_len)
+    if variant == "process+outcome":
+        if outcome_advantages is None:
+            raise ValueError("process_advantages(variant='process+outcome') needs "
+                             "outcome_advantages (G,)")
+        oa = torch.as_tensor(outcome_advantages, dtype=torch.float32).reshape(-1)
+        if oa.numel() != G:
+            raise ValueError(f"process_advantages: outcome_advantages has {oa.numel()} values, "
+                             f"expected G = {G}")
+        mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # (G, T)
+        adv = adv + oa[:, None] * mask
+    return adv
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Logging
+# ----------------------------------------------------------------------------------------------
+
+
+def step_statistics(
+    step_rewards: Sequence[Sequence[float]],
+    step_ends: Sequence[Sequence[int]] | None = None,
+    correct_threshold: float = 0.5,
+) -> dict[str, float]:
+    """Numbers that reveal process-reward failure modes; plain floats for metrics.csv.
+
+    Keys: `steps_per_completion` (mean), `steps_per_completion_max`, `tokens_per_step` (mean over
+    all steps; needs `step_ends`), `step_reward_mean`, `step_reward_std` (population std),
+    `step_correct_rate` (fraction of steps with reward >= `correct_threshold`, which suits 0/1 and
+    signed -1/+1 verifier rewards), `first_error_step` (mean 1-based index of the first step
+    below the threshold, over completions that have one; NaN when none has) and
+    `error_free_rate` (fraction of completions with no step below the threshold).
+    """
+    counts = [len(rs) for rs in step_rewards]
+    flat = [float(r) for rs in step_rewards for r in rs]
+    n = len(flat)
+    mean = sum(flat) / n if n else float("nan")
+    std = math.sqrt(sum((r - mean) ** 2 for r in flat) / n) if n else float("nan")
+    first_errors = []
+    for rs in step_rewards:
+        bad = [j for j, r in enumerate(rs) if float(r) < correct_threshold]
+        if bad:
+            first_errors.append(bad[0] + 1)
+    stats = {
+        "steps_per_completion": sum(counts) / len(counts) if counts else float("nan"),
+        "steps_per_completion_max": float(max(counts, default=0)),
+        "step_reward_mean": mean,
+        "step_reward_std": std,
+        "step_correct_rate": (sum(r >= correct_threshold for r in flat) / n) if n else float("nan"),
+        "first_error_step": (sum(first_errors) / len(first_errors)) if first_errors
+        else float("nan"),
+        "error_free_rate": 1.0 - len(first_errors) / len(counts) if counts else float("nan"),
+    }
+    if step_ends is not None:
+        sizes = [e - p for es in step_ends for p, e in zip([-1, *list(es)[:-1]], es)]
+        stats["tokens_per_step"] = sum(sizes) / len(sizes) if sizes else float("nan")
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. From rollouts to token advantages (the training-path glue)
+# ----------------------------------------------------------------------------------------------
+
+
+def completion_steps(
+    tokenizer, completion_ids, length: int, text: str, truncated: bool,
+    split_mode: str = "tags", pattern: str | None = None,
+) -> tuple[list[str], list[int]]:
+    """Step texts and step end indices of one generated completion.
+
+    `completion_ids[:length]` are the generated tokens; `text` is their decoding without the final
+    EOS (as `sample_rollouts` gives it) unless `truncated`. The EOS has no characters: it joins the
+    last step. Steps that own no token are merged into a neighbour, so both lists have one entry
+    per step, and a text without any step gets a single step.
+    """
+    ids = [int(i) for i in list(completion_ids[:length])]
+    if not ids:
+        return [], []
+    text_ids = ids if truncated else ids[:-1]  # the EOS is not part of the text
+    offsets = token_offsets_from_ids(tokenizer, text_ids, text)
+    if not truncated:
+        offsets.append((len(text), len(text)))
+    spans = split_steps(text, split_mode, pattern) or [(0, len(text))]
+    spans, ends = align_steps_to_tokens(offsets, spans)
+    return step_texts(text, spans), ends
+
+
+def process_token_advantages(
+    rollouts, example: dict, tokenizer, step_scorer, prompt: str | None = None,
+    variant: str = "sum", split_mode: str = "tags", pattern: str | None = None,
+    outcome_advantages=None, eps: float = 1e-4,
+) -> tuple[torch.Tensor, dict]:
+    """Process advantages `(G, T)` for the G rollouts of one prompt (`generation.Rollouts`).
+
+    Splits each completion into steps, maps them onto its generated tokens, scores the steps with
+    `step_scorer` (anything `step_scorers.as_step_scorer` accepts) and applies
+    `process_advantages` with `variant`. T is `rollouts.completion_ids.shape[1]`. Returns the
+    advantages and an info dict: `steps` (texts), `step_rewards`, `step_ends`, `stats`
+    (`step_statistics` plus the scorer's cost).
+    """
+    from .step_scorers import as_step_scorer
+
+    scorer = as_step_scorer(step_scorer)
+    if prompt is None:
+        prompt = tokenizer.decode(rollouts.prompt_ids.tolist(), skip_special_tokens=False)
+    G, T = rollouts.completion_ids.shape
+    steps, ends = [], []
+    for g in range(G):
+        s, e = completion_steps(tokenizer, rollouts.completion_ids[g], int(rollouts.lengths[g]),
+                                rollouts.texts[g], bool(rollouts.truncated[g]), split_mode, pattern)
+        steps.append(s)
+        ends.append(e)
+    rewards = scorer.score_group(prompt, steps, example)
+    for g, (rs, ss) in enumerate(zip(rewards, steps)):
+        if len(rs) != len(ss):
+            raise ValueError(f"process_token_advantages: the step scorer gave {len(rs)} rewards "
+                             f"for the {len(ss)} steps of completion {g}")
+    lengths = [int(x) for x in rollouts.lengths]
+    adv = torch.zeros(G, T, dtype=torch.float32)  # (G, T)
+    if max(lengths, default=0) > 0:
+        a = process_advantages(rewards, ends, lengths, variant, outcome_advantages, eps)
+        adv[:, : a.shape[1]] = a
+    stats = step_statistics(rewards, ends)
+    stats.update(scorer.cost())
+    return adv, {"steps": steps, "step_rewards": rewards, "step_ends": ends, "stats": stats}
+
+
+class ProcessAdvantageFn:
+    """The `advantage_fn` hook of `grpo.collect_rollouts`: token-level process advantages.
+
+    Called as `fn(groups, outcome_advantages (N, G), completion_mask (B, Tc)) -> (B, Tc)`, where
+    `groups` are `(example, rollouts, scored)` tuples. The outcome advantages are used only by
+    the `"process+outcome"` variant. After each call `last_stats` holds the mean over groups of
+    `step_statistics` (and the scorer's cumulative cost), for metrics.csv.
+    """
+
+    def __init__(self, tokenizer, step_scorer, variant: str = "sum", split_mode: str = "tags",
+                 pattern: str | None = None):
+        if variant not in VARIANTS:
+            raise ValueError(f"ProcessAdvantageFn: unknown variant {variant!r}; "
+                             f"expected {VARIANTS}")
+        from .step_scorers import as_step_scorer
+
+        self.tokenizer = tokenizer
+        self.step_scorer = as_step_scorer(step_scorer)
+        self.variant, self.split_mode, self.pattern = variant, split_mode, pattern
+        self.last_stats: dict[str, float] = {}
+        self.last_infos: list[dict] = []
+
+    def __call__(self, groups, outcome_advantages, completion_mask) -> torch.Tensor:
+        Tc = completion_mask.shape[1]
+        rows, infos = [], []
+        for n, group in enumerate(groups):
+            example, ro = group[0], group[1]
+            oa = outcome_advantages[n] if self.variant == "process+outcome" else None
+            adv, info = process_token_advantages(
+                ro, example, self.tokenizer, self.step_scorer, variant=self.variant,
+                split_mode=self.split_mode, pattern=self.pattern, outcome_advantages=oa,
+            )
+            T = min(adv.shape[1], Tc)
+            padded = torch.zeros(adv.shape[0], Tc, dtype=torch.float32)
+            padded[:, :T] = adv[:, :T]
+            rows.append(padded)
+            infos.append(info)
+        self.last_infos = infos
+        keys = {k for info in infos for k in info["stats"]}
+        self.last_stats = {}
+        for k in sorted(keys):
+            vals = [info["stats"][k] for info in infos if k in info["stats"]]
+            vals = [v for v in vals if not math.isnan(v)]
+            self.last_stats[k] = sum(vals) / len(vals) if vals else float("nan")
+        out = torch.cat(rows) if rows else torch.zeros(0, Tc)
+        return out.to(completion_mask.device) * completion_mask.to(out.device)
+
+
+#: metrics.csv columns filled from `ProcessAdvantageFn.last_stats` (MC cost columns only for mc).
+PROCESS_METRIC_COLUMNS = [
+    "steps_per_completion", "steps_per_completion_max", "tokens_per_step", "step_reward_mean",
+    "step_reward_std", "step_correct_rate", "first_error_step", "error_free_rate",
+    "mc_generated_tokens", "mc_rollouts", "mc_seconds",
+]
+
+
+def make_process_advantage_fn(
+    tokenizer, step_scorer="verifier", variant: str = "sum", split_mode: str = "tags",
+    pattern: str | None = None, model=None, device=None, mc_rollouts: int = 4,
+    mc_max_new_tokens: int = 64, mc_temperature: float = 1.0, mc_generator=None,
+) -> ProcessAdvantageFn:
+    """A `ProcessAdvantageFn` from a scorer object or a spec string (verifier | verifier-signed |
+    mc | mc-hard | prm:PATH, see `step_scorers.build_step_scorer`); `mc` samples with `model`,
+    the policy being trained, so its values follow the current policy."""
+    from .step_scorers import build_step_scorer
+
+    if isinstance(step_scorer, str):
+        mc_kwargs = {}
+        if step_scorer.startswith("mc"):
+            mc_kwargs = dict(num_continuations=mc_rollouts, max_new_tokens=mc_max_new_tokens,
+                             temperature=mc_temperature, generator=mc_generator)
+        step_scorer = build_step_scorer(step_scorer, model, tokenizer, device, **mc_kwargs)
+    return ProcessAdvantageFn(tokenizer, step_scorer, variant, split_mode, pattern)

@@ -1,0 +1,333 @@
+"""Step scorers: one float per reasoning step, behind one small interface.
+
+A step scorer answers `score(prompt, steps, example) -> list[float]` (one reward per step of one
+completion) and `score_group(prompt, steps_per_completion, example) -> list[list[float]]` (all G
+completions of a prompt, batched where that saves work). `steps` are the step texts from
+`process.split_steps`; joined they give back the completion text. Scorers here:
+
+- `VerifierStepScorer`: the exact arithmetic verifier of the tiny world (`arithmetic.verify_steps`).
+- `MonteCarloStepScorer`: Math-Shepherd (Wang et al. 2024, arXiv 2312.08935, section 3.3): from
+  each step prefix sample k continuations with the current policy; "soft" = fraction that reach
+  the correct answer, "hard" = 1 if any does. Costs generated tokens, which it counts.
+- `PRMStepScorer`: a learned process reward model (`prm.ProcessRewardModel`).
+- `ForwardStepScorer` / `CallableStepScorer`: adapters for any object with
+  `forward(prompt, step_text) -> float` (the user's sketch) or any callable; `as_step_scorer`
+  picks the right one.
+
+`build_step_scorer("verifier" | "verifier-signed" | "mc" | "prm:PATH", ...)` builds one from a
+command-line string.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .arithmetic import parse_steps, verify_steps
+from .grading import reward_rlvr
+
+
+class StepScorer:
+    """Interface: one reward per step. Subclasses implement `score`; `score_group` may batch."""
+
+    name = "step_scorer"
+
+    def score(self, prompt: str, steps: Sequence[str], example: dict) -> list[float]:
+        """Rewards, one per entry of `steps`, for one completion of `prompt`."""
+        raise NotImplementedError
+
+    def score_group(
+        self, prompt: str, steps_per_completion: Sequence[Sequence[str]], example: dict
+    ) -> list[list[float]]:
+        """Rewards of all completions of one prompt (default: one `score` call each)."""
+        return [self.score(prompt, steps, example) for steps in steps_per_completion]
+
+    def cost(self) -> dict[str, float]:
+        """Work done so far (e.g. generated tokens); empty for free scorers."""
+        return {}
+
+
+def _check_lengths(scorer, steps, scores) -> list[float]:
+    """A scorer must return exactly one finite float per step."""
+    scores = [float(s) for s in scores]
+    if len(scores) != len(steps):
+        raise ValueError(f"{type(scorer).__name__} returned {len(scores)} scores for "
+                         f"{len(steps)} steps")
+    return scores
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact verifier
+# ----------------------------------------------------------------------------------------------
+
+
+class VerifierStepScorer(StepScorer):
+    """Exact step rewards from the arithmetic world's verifier: correct 1, wrong 0 (or +1 / -1).
+
+    A step is correct when every `Step k: a op b = c` line in it verifies (in order across the
+    whole completion, see `arithmetic.verify_steps`). Choices, all documented options:
+    - `propagate_errors=True`: after the first wrong step every later step counts as wrong. The
+      verifier alone credits a step that correctly continues from a wrong result, but in a chain
+      problem such a step can no longer reach the right answer; propagating matches PRM800K's
+      first-error labels and Math-Shepherd's "can this prefix still succeed" labels.
+    - `final_step_is_outcome=True`: the last step must also carry a correct boxed answer
+      (`reward_rlvr` of the full completion), so all-correct steps with a missing or wrong final
+      answer are not fully rewarded.
+    - steps with no checkable `Step k:` line that are not the last step count as wrong (so the
+      policy cannot farm reward with filler steps).
+    - `signed=True` gives +1 / -1 instead of 1 / 0.
+    """
+
+    name = "verifier"
+
+    def __init__(self, signed: bool = False, propagate_errors: bool = True,
+                 final_step_is_outcome: bool = True):
+        self.signed = signed
+        self.propagate_errors = propagate_errors
+        self.final_step_is_outcome = final_step_is_outcome
+
+    def correct_steps(self, steps: Sequence[str], example: dict) -> list[bool]:
+        """Correctness of each step (before mapping to reward values)."""
+        exprs = [parse_steps(s) for s in steps]  # the 'a op b = c' parts of each step
+        flat = [e for es in exprs for e in es]
+        verdicts = verify_steps(example["problem"], flat) if flat else []
+        ok, k = [], 0
+        for j, es in enumerate(exprs):
+            good = all(verdicts[k : k + len(es)])
+            k += len(es)
+            last = j == len(steps) - 1
+            if last and self.final_step_is_outcome:
+                good = good and reward_rlvr("".join(steps), example["answer"]) == 1.0
+            elif not es:
+                good = False  # no checkable work in an intermediate step
+            ok.append(good)
+        if self.propagate_errors:
+            for j in range(1, len(ok)):
+                ok[j] = ok[j] and ok[j - 1]
+        return ok
+
+    def score(self, prompt, steps, example):
+        wrong = -1.0 if self.signed else 0.0
+        return [1.0 if good else wrong for good in self.correct_steps(steps, example)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Monte-Carlo (Math-Shepherd)
+# ----------------------------------------------------------------------------------------------
+
+
+def sample_continuations(model, tokenizer, texts: Sequence[str], k: int, max_new_tokens: int,
+                         temperature: float = 1.0, top_p: float = 1.0,
+                         generator: torch.Generator | None = None, batch_size: int = 64,
+                         device=None) -> tuple[list[list[str]], int]:
+    """k sampled continuations (text, EOS dropped) of each text, and the generated token count.
+
+    Texts are encoded as they are, left padded into batches of at most `batch_size` rows, and
+    each is prefilled once (`generate(num_return_sequences=k)`). The model runs in eval mode.
+    """
+    from .generation import generate, stop_token_ids
+
+    device = device or next(model.parameters()).device
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = 0 if pad is None else int(pad)  # any id: padded slots are masked
+    per_chunk = max(1, batch_size // k)
+    out: list[list[str]] = []
+    n_tokens = 0
+    was_training = model.training
+    model.eval()
+    try:
+        for c in range(0, len(texts), per_chunk):
+            encoded = [tokenizer.encode(t) for t in texts[c : c + per_chunk]]
+            P = max(len(ids) for ids in encoded)
+            ids = torch.full((len(encoded), P), pad, dtype=torch.long)
+            mask = torch.zeros(len(encoded), P, dtype=torch.bool)
+            for i, row in enumerate(encoded):  # left padding
+                ids[i, P - len(row):] = torch.tensor(row, dtype=torch.long)
+                mask[i, P - len(row):] = True
+            gen = generate(model, ids.to(device), mask.to(device), max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_p=top_p,
+                           eos_token_id=stop_token_ids(tokenizer), generator=generator,
+                           num_return_sequences=k)
+            n_tokens += int(gen.lengths.sum())
+            for b in range(len(encoded)):
+                conts = []
+                for g in range(b * k, (b + 1) * k):
+                    real = gen.completion_ids[g][gen.completion_mask[g]].tolist()
+                    if not bool(gen.truncated[g]) and real:
+                        real = real[:-1]  # drop the EOS
+                    conts.append(tokenizer.decode(real, skip_special_tokens=False))
+                out.append(conts)
+    finally:
+        model.train(was_training)
+    return out, n_tokens
+
+
+def _default_reward(text: str, example: dict) -> float:
+    """Outcome reward of a finished completion: strict boxed-answer correctness."""
+    return reward_rlvr(text, example["answer"])
+
+
+class MonteCarloStepScorer(StepScorer):
+    """Math-Shepherd step values: roll out k completions from every step prefix with the policy.
+
+    The value of step j is estimated from k continuations of `prompt + steps[0..j]` sampled with
+    `model` (normally the current policy): `mode="soft"` is the fraction that end with the
+    correct answer, `mode="hard"` is 1.0 if any does (Math-Shepherd, arXiv 2312.08935, eq. 1-2).
+    The last step's prefix is the finished completion itself, so its value is the completion's own
+    outcome reward (no sampling). All prefixes of a group (identical prefixes shared) are decoded
+    together in left-padded batches of at most `batch_size` rows, with `num_return_sequences=k`
+    so each prefix is prefilled once. Cost: every step of every completion costs k rollouts of up
+    to `max_new_tokens` tokens; `cost()` reports generated tokens, rollouts and seconds.
+    """
+
+    name = "mc"
+
+    def __init__(self, model, tokenizer, num_continuations: int = 4, mode: str = "soft",
+                 max_new_tokens: int = 64, temperature: float = 0.8, top_p: float = 1.0,
+                 batch_size: int = 64, generator: torch.Generator | None = None,
+                 reward_fn: Callable[[str, dict], float] = _default_reward, device=None):
+        if mode not in ("soft", "hard"):
+            raise ValueError(f"MonteCarloStepScorer: mode must be 'soft' or 'hard', got {mode!r}")
+        if num_continuations < 1:
+            raise ValueError("MonteCarloStepScorer: num_continuations must be >= 1")
+        self.model, self.tokenizer = model, tokenizer
+        self.k, self.mode = int(num_continuations), mode
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.batch_size, self.generator, self.reward_fn = batch_size, generator, reward_fn
+        self.device = device
+        self.generated_tokens = 0
+        self.rollouts = 0
+        self.seconds = 0.0
+
+    def cost(self):
+        return {"mc_generated_tokens": float(self.generated_tokens),
+                "mc_rollouts": float(self.rollouts), "mc_seconds": self.seconds}
+
+    def _continue(self, texts: list[str]) -> list[list[str]]:
+        """k sampled continuations of each text, batched; counts the cost."""
+        conts, n_tokens = sample_continuations(
+            self.model, self.tokenizer, texts, self.k, self.max_new_tokens, self.temperature,
+            self.top_p, self.generator, self.batch_size, self.device)
+        self.generated_tokens += n_tokens
+        self.rollouts += len(texts) * self.k
+        return conts
+
+    def score_group(self, prompt, steps_per_completion, example):
+        t0 = time.perf_counter()
+        prefixes: dict[str, float | None] = {}  # completion-so-far -> value (shared prefixes once)
+        for steps in steps_per_completion:
+            for j in range(len(steps) - 1):
+                prefixes.setdefault("".join(steps[: j + 1]), None)
+        todo = list(prefixes)
+        if todo:
+            conts = self._continue([prompt + p for p in todo])
+            for p, cs in zip(todo, conts):
+                hits = [self.reward_fn(p + c, example) >= 1.0 for c in cs]
+                prefixes[p] = float(any(hits)) if self.mode == "hard" else sum(hits) / len(hits)
+        out = []
+        for steps in steps_per_completion:
+            values = [prefixes["".join(steps[: j + 1])] for j in range(len(steps) - 1)]
+            if steps:
+                values.append(float(self.reward_fn("".join(steps), example) >= 1.0))
+            out.append(values)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def score(self, prompt, steps, example):
+        return self.score_group(prompt, [steps], example)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Learned PRM and adapters
+# ----------------------------------------------------------------------------------------------
+
+
+class PRMStepScorer(StepScorer):
+    """Rewards from a trained `prm.ProcessRewardModel`: P(step correct) in [0, 1] per step."""
+
+    name = "prm"
+
+    def __init__(self, prm, tokenizer, batch_size: int = 32):
+        self.prm, self.tokenizer, self.batch_size = prm, tokenizer, batch_size
+
+    def score_group(self, prompt, steps_per_completion, example):
+        from .prm import score_steps_batch
+
+        return score_steps_batch(self.prm, self.tokenizer,
+                                 [(prompt, list(s)) for s in steps_per_completion],
+                                 batch_size=self.batch_size)
+
+    def score(self, prompt, steps, example):
+        return self.score_group(prompt, [steps], example)[0]
+
+
+class ForwardStepScorer(StepScorer):
+    """Adapter for an object with `forward(prompt, step_text) -> float` (the user's sketch).
+
+    Such a scorer sees one step at a time, without the steps before it, so it cannot judge a
+    step that is only wrong in context (e.g. a correct sum of a wrongly carried number).
+    """
+
+    name = "forward"
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def score(self, prompt, steps, example):
+        return _check_lengths(self, steps, [self.obj.forward(prompt, s) for s in steps])
+
+
+class CallableStepScorer(StepScorer):
+    """Adapter for a callable: `fn(prompt, step_text) -> float` per step (`per_step=True`) or
+    `fn(prompt, steps, example) -> list[float]` for the whole completion."""
+
+    name = "callable"
+
+    def __init__(self, fn: Callable, per_step: bool = True):
+        self.fn, self.per_step = fn, per_step
+
+    def score(self, prompt, steps, example):
+        if self.per_step:
+            return _check_lengths(self, steps, [self.fn(prompt, s) for s in steps])
+        return _check_lengths(self, steps, self.fn(prompt, list(steps), example))
+
+
+def as_step_scorer(obj) -> StepScorer:
+    """A StepScorer for `obj`: itself, a `forward(prompt, step)` object, or a per-step callable."""
+    if isinstance(obj, StepScorer):
+        return obj
+    if callable(getattr(obj, "score_group", None)) and callable(getattr(obj, "score", None)):
+        return obj  # duck-typed scorer
+    if callable(getattr(obj, "forward", None)):
+        return ForwardStepScorer(obj)
+    if callable(obj):
+        return CallableStepScorer(obj)
+    raise TypeError(f"cannot use {type(obj).__name__} as a step scorer: it needs score(), "
+                    "forward(prompt, step_text) or to be callable")
+
+
+def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
+                      **mc_kwargs) -> StepScorer:
+    """A scorer from a command-line spec: verifier | verifier-signed | mc | mc-hard | prm:PATH.
+
+    `mc` samples with `model` (the policy being trained, so it follows the current policy);
+    `mc_kwargs` go to `MonteCarloStepScorer`. `prm:PATH` loads a model saved by `prm.save_prm`.
+    """
+    if spec == "verifier":
+        return VerifierStepScorer()
+    if spec == "verifier-signed":
+        return VerifierStepScorer(signed=True)
+    if spec in ("mc", "mc-hard"):
+        if model is None or tokenizer is None:
+            raise ValueError("the mc step scorer needs the policy model and tokenizer")
+        mode = "hard" if spec == "mc-hard" else "soft"
+        return MonteCarloStepScorer(model, tokenizer, mode=mode, device=device, **mc_kwargs)
+    if spec.startswith("prm:"):
+        from .prm import load_prm
+
+        prm, prm_tokenizer = load_prm(spec[4:], device=device)
+        return PRMStepScorer(prm, prm_tokenizer)
+    raise ValueError(f"unknown step scorer {spec!r}; expected verifier, verifier-signed, mc, "
+                     "mc-hard or prm:PATH")

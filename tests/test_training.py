@@ -1,0 +1,190 @@
+"""Tests for reasoning_from_scratch.training: update, NaN guard, resume, Ctrl-C, ch07 script."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from reasoning_from_scratch import training
+from reasoning_from_scratch.grpo import batch_logprobs, collect_rollouts, grpo_loss_on_batch
+from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
+from reasoning_from_scratch.rewards import CompositeReward, RewardTerm
+from reasoning_from_scratch.tiny_world import build_corpus, document_text, train_bpe_tokenizer
+from reasoning_from_scratch.training import (
+    TIMING_COLUMNS,
+    GRPOConfig,
+    find_checkpoint,
+    read_metrics,
+    train_grpo,
+)
+from reasoning_from_scratch.weights import load_pretrained, save_pretrained
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = [{"problem": f"{a}+{b}", "answer": str(a + b)} for a, b in [(2, 3), (4, 5), (6, 7), (8, 9)]]
+HELD_OUT = [{"problem": "3+4", "answer": "7"}, {"problem": "5+6", "answer": "11"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A random-init tiny Qwen3 with a small byte-level BPE tokenizer, saved in HF layout."""
+    out = tmp_path_factory.mktemp("tiny")
+    tok = train_bpe_tokenizer((document_text(d) for d in build_corpus(100, seed=0)),
+                              vocab_size=300, out_dir=out / "tok")
+    torch.manual_seed(0)
+    cfg = tiny_config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    save_pretrained(Qwen3Model(cfg), tok, out / "model")
+    return out / "model"
+
+
+def even_token_reward():
+    """A reward with signal even for a random model: the fraction of even generated token ids."""
+    def frac_even(text, ids, prompt_len, example):
+        gen = ids[prompt_len:]
+        return float((gen % 2 == 0).float().mean()) if gen.numel() else 0.0
+    return CompositeReward([RewardTerm("correct", frac_even)])
+
+
+def _config(tmp_path, **kw):
+    base = dict(steps=4, lr=1e-2, warmup_steps=2, prompts_per_step=2, num_rollouts=4,
+                max_new_tokens=6, eval_every=2, eval_examples=2, eval_batch_size=2,
+                sample_every=1, seed=3, output_dir=str(tmp_path / "run"), progress=False,
+                inner_epochs=2, beta=0.05)
+    return GRPOConfig(**{**base, **kw})
+
+
+def test_one_update_changes_parameters_and_lowers_loss_on_fixed_batch(tiny_dir):
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    batch = collect_rollouts(model, tok, TRAIN[:2], "cpu", even_token_reward(), num_rollouts=4,
+                             max_new_tokens=6, generator=gen)
+    assert batch.advantages.abs().sum() > 0
+    with torch.no_grad():
+        old, _ = batch_logprobs(model, batch, with_entropy=False)
+    config = GRPOConfig(lr=1e-2, warmup_steps=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_before = grpo_loss_on_batch(model, batch, old)["loss"].item()
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    stats = training._update(model, opt, batch, old, None, config)
+    assert stats["skipped"] == 0 and stats["grad_norm"] > 0
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    loss_after = grpo_loss_on_batch(model, batch, old)["loss"].item()
+    assert loss_after < loss_before
+
+
+def test_non_finite_loss_skips_update(tiny_dir, monkeypatch):
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    batch = collect_rollouts(model, tok, TRAIN[:2], "cpu", even_token_reward(), num_rollouts=4,
+                             max_new_tokens=6, generator=torch.Generator().manual_seed(0))
+    real = training.grpo_loss_on_batch
+
+    def nan_loss(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out["loss"] = out["loss"] * float("nan")
+        return out
+
+    monkeypatch.setattr(training, "grpo_loss_on_batch", nan_loss)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stats = training._update(model, opt, batch, None, None, GRPOConfig())
+    assert stats["skipped"] == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert not opt.state  # AdamW moments untouched
+
+
+def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_dir):
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    batch = collect_rollouts(model, tok, TRAIN[:2], "cpu", even_token_reward(), num_rollouts=4,
+                             max_new_tokens=6, generator=torch.Generator().manual_seed(1))
+    for loss_type in ("grpo", "dapo", "dr_grpo", "sequence"):
+        grads = []
+        for mbs in (None, 3):
+            model.zero_grad()
+            cfg = GRPOConfig(loss_type=loss_type, micro_batch_size=mbs, max_grad_norm=1e9)
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)  # keeps the weights fixed
+            training._update(model, opt, batch, None, None, cfg)
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for g1, g2 in zip(*grads):
+            torch.testing.assert_close(g1, g2, atol=1e-6, rtol=1e-4)
+
+
+def _run(tiny_dir, config, resume_from=None):
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    return train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", config, resume_from=resume_from,
+                      reward_fn=even_token_reward())
+
+
+def _strip_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING_COLUMNS} for r in rows]
+
+
+def test_resume_continues_exactly(tiny_dir, tmp_path):
+    straight = _config(tmp_path / "a")
+    _run(tiny_dir, straight)
+    rows_straight = read_metrics(Path(straight.output_dir) / "metrics.csv")
+    assert len(rows_straight) == 4
+    assert any(r["ratio_max"] != 1.0 for r in rows_straight)  # inner epochs moved the ratio
+
+    # 2 steps, then a new process-like start from the checkpoint for the remaining 2
+    first = _config(tmp_path / "b", steps=2, checkpoint_every=2)
+    _run(tiny_dir, first)
+    ckpt = find_checkpoint(first.output_dir)
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 2
+    second = _config(tmp_path / "b")  # same run dir, now 4 steps
+    summary = _run(tiny_dir, second, resume_from=first.output_dir)
+    rows_resumed = read_metrics(Path(second.output_dir) / "metrics.csv")
+    assert _strip_timing(rows_resumed) == _strip_timing(rows_straight)
+    a = load_pretrained(Path(straight.output_dir) / "final", device="cpu")[0].state_dict()
+    b = load_pretrained(Path(second.output_dir) / "final", device="cpu")[0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert set(summary) >= {"base_accuracy", "final_accuracy", "base_format_rate",
+                            "final_format_rate", "steps", "wall_seconds"}
+
+
+def test_ctrl_c_saves_a_checkpoint(tiny_dir, tmp_path, monkeypatch):
+    real, calls = training._train_step, []
+
+    def interrupt_on_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training, "_train_step", interrupt_on_second)
+    config = _config(tmp_path, beta=0.0, inner_epochs=1)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny_dir, config)
+    state = json.loads((Path(config.output_dir) / "checkpoint-1" / "trainer_state.json")
+                       .read_text())
+    assert state["step"] == 1
+
+
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "chapters" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ch07_script_three_steps(tiny_dir, tmp_path):
+    out = tmp_path / "ch07"
+    summary = _load_script("ch07_train").main([
+        "--model", str(tiny_dir), "--steps", "3", "--prompts-per-step", "2",
+        "--num-rollouts", "2", "--max-new-tokens", "4", "--eval-examples", "2",
+        "--eval-every", "2", "--train-examples", "20", "--output-dir", str(out),
+        "--no-progress", "--device", "cpu",
+    ])
+    assert summary["steps"] == 3
+    for name in ("metrics.csv", "metrics.png", "samples.jsonl", "summary.json"):
+        assert (out / name).is_file(), name
+    assert len(read_metrics(out / "metrics.csv")) == 3
+    model, _ = load_pretrained(out / "final", device="cpu")  # the final checkpoint loads
+    assert isinstance(model, Qwen3Model)
+
+
+def test_ch06_defaults_are_plain_grpo():
+    d = _load_script("ch06_train").CH06_DEFAULTS
+    assert (d.epsilon, d.beta, d.format_reward_weight, d.loss_type) == (None, 0.0, 0.0, "sequence")
