@@ -9,6 +9,14 @@ three ways, for several seeds each:
 - process-mc: step rewards from Math-Shepherd Monte-Carlo rollouts of the current policy
   (arXiv 2312.08935), which costs extra generation (counted, and visible in the wall-time plot).
 
+Every arm uses the same GRPOConfig (the chapter 7 defaults unless flags change them), except
+that the process arms keep the groups whose outcome rewards are all equal (the trainer's
+`skip_zero_advantage` looks at outcome rewards only, and such groups still differ step by step;
+`--process-skip-zero-advantage` restores the skipping). Note what each reward contains: the outcome
+reward is correctness + format bonus, the verifier's step rewards check the arithmetic and (last
+step) the boxed answer, without the format bonus; the "+outcome" arms add the outcome advantage to
+every token (`process_advantages(variant="process+outcome")`).
+
 Checkpoints are evaluated on the held-out split (greedy): strict (boxed) accuracy and mean step
 correctness (the fraction of written "Step k:" lines the exact verifier accepts). Writes
 results.json, results.md (table: final accuracy mean +- std, steps and seconds to reach the
@@ -250,12 +258,16 @@ def plot(curves, base, path):
                     axes[row, col].plot([p[xi] for p in pts], [p[2][key] for p in pts],
                                         marker="o", ms=3, color=colors.get(arm), alpha=0.8,
                                         label=LABELS[arm] if n == 0 else None)
+    lowest = min([base["step_correct"]] + [p[2]["step_correct"] for runs in curves.values()
+                                            for c in runs.values() for p in c])
     for row, name in ((0, "held-out strict accuracy"), (1, "held-out step correctness")):
         for col, xlabel in ((0, "training step"), (1, "training wall time (s)")):
             ax = axes[row, col]
             ax.set_xlabel(xlabel)
             ax.set_ylabel(name)
             ax.grid(alpha=0.3)
+            if row == 1 and not math.isnan(lowest):  # a flat line at 1.0 should look flat
+                ax.set_ylim(min(0.9, lowest - 0.01), 1.005)
     axes[0, 0].legend()
     fig.suptitle("GRPO on the tiny arithmetic world: outcome vs process supervision "
                  "(one line per seed)")
@@ -291,13 +303,14 @@ def main(argv=None):
         for arm in arms:
             if args.report_only and not (out / f"{arm}-seed{seed}" / "curve.json").is_file():
                 continue
-            t0 = time.time()
+            t0, reused = time.time(), (out / f"{arm}-seed{seed}" / "curve.json").is_file()
             curves[arm][seed] = run_one(arm, seed, base_model, tokenizer, train, held_out,
                                         device, values, args, out)
             last = curves[arm][seed][-1]
             print(f"{arm} seed {seed}: final accuracy {last[2]['accuracy']:.3f}, step correctness "
-                  f"{last[2]['step_correct']:.3f}, train {last[1]:.0f}s ({time.time() - t0:.0f}s "
-                  "with evaluation)")
+                  f"{last[2]['step_correct']:.3f}, train {last[1]:.0f}s "
+                  + ("(finished earlier)" if reused else
+                     f"({time.time() - t0:.0f}s with evaluation)"))
     curves = {arm: runs for arm, runs in curves.items() if runs}
     rows = summarise(curves, base)
     table = write_table(rows, base, out / "results.md")

@@ -258,7 +258,7 @@ def test_three_step_process_supervised_training_run(tokenizer, tmp_path):
     assert summary["steps"] == 3
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with open(tmp_path / "run" / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
+        rows = [r for r in csv.DictReader(f) if int(r["step"]) >= 1]  # (step 0: base eval)
     assert len(rows) == 3 and all(r["skipped"] == "0" for r in rows)
     assert adv_fn.last_stats["steps_per_completion"] >= 1
     assert len(adv_fn.last_infos) == 2  # two prompts per step

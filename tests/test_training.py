@@ -169,18 +169,23 @@ def _load_script(name):
     return module
 
 
-def test_ch07_script_three_steps(tiny_dir, tmp_path):
+def test_ch07_script_three_steps_with_resume(tiny_dir, tmp_path):
+    """ch07_train.py: 2 steps, then --resume the run dir with --steps 3 (flags given override)."""
     out = tmp_path / "ch07"
-    summary = _load_script("ch07_train").main([
-        "--model", str(tiny_dir), "--steps", "3", "--prompts-per-step", "2",
+    script = _load_script("ch07_train")
+    script.main([
+        "--model", str(tiny_dir), "--steps", "2", "--prompts-per-step", "2",
         "--num-rollouts", "2", "--max-new-tokens", "4", "--eval-examples", "2",
-        "--eval-every", "2", "--train-examples", "20", "--output-dir", str(out),
+        "--eval-every", "0", "--train-examples", "20", "--output-dir", str(out),
         "--no-progress", "--device", "cpu",
     ])
+    summary = script.main(["--resume", str(out), "--steps", "3", "--device", "cpu"])
     assert summary["steps"] == 3
     for name in ("metrics.csv", "metrics.png", "samples.jsonl", "summary.json"):
         assert (out / name).is_file(), name
-    assert len(read_metrics(out / "metrics.csv")) == 3
+    assert [r["step"] for r in read_metrics(out / "metrics.csv")] == [1.0, 2.0, 3.0]
+    state = json.loads((out / "final" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["config"]["max_new_tokens"] == 4  # kept from the run
     model, _ = load_pretrained(out / "final", device="cpu")  # the final checkpoint loads
     assert isinstance(model, Qwen3Model)
 
