@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .generation import generate_batch
 from .grading import extract_final_candidate, grade_answer

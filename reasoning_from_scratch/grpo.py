@@ -25,6 +25,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .generation import sample_rollouts_batch
+from .process import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
 
@@ -396,6 +397,11 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
     rewards = torch.tensor([[s[0] for s in scored] for _, _, scored in groups])  # (N, G)
     advantages = group_advantages(rewards, scale_rewards)  # (N, G)
     zero = (rewards == rewards[:, :1]).all(dim=1)  # (N,) groups without signal
+    if advantage_fn is not None:
+        # Process supervision: a group whose outcomes are all equal can still hold step-level
+        # signal (step 1 right in some completions, wrong in others), so it is kept here and
+        # judged on its token advantages below.
+        zero = torch.zeros_like(zero)
     keep = [i for i in range(len(groups)) if not (skip_zero_advantage and zero[i])]
 
     samples = []
@@ -426,7 +432,18 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
         masks, pad_id=_pad_id(tokenizer),
     )
     if advantage_fn is not None:
-        adv = advantage_fn([groups[i] for i in keep], advantages[keep], completion_mask)
+        adv = advantage_fn([groups[i] for i in keep], advantages[keep], completion_mask)  # (B, Tc)
+        if skip_zero_advantage:  # drop groups whose token advantages are all exactly zero
+            G = num_rollouts
+            signal = adv.reshape(len(keep), G, -1).abs().sum(dim=(1, 2)) > 0  # (N,)
+            zero = ~signal
+            rows = signal.repeat_interleave(G)  # (B,)
+            input_ids, completion_mask, adv = input_ids[rows], completion_mask[rows], adv[rows]
+            attention_mask = None if attention_mask is None else attention_mask[rows]
+            if not bool(signal.any()):
+                empty = torch.zeros(0, 1, dtype=torch.long, device=device)
+                return RolloutBatch(empty, None, 1, empty.bool(), torch.zeros(0, device=device),
+                                    rewards, samples, 1.0, num_tokens)
     else:
         adv = advantages[keep].reshape(-1)  # (B,)
     return RolloutBatch(input_ids, attention_mask, prompt_len, completion_mask,
@@ -474,7 +491,8 @@ def compute_grpo_loss(model, tokenizer, example, device, num_rollouts=8, max_new
                       format_reward_conditional=False, loss_type="grpo", epsilon=0.2,
                       epsilon_high=None, beta=0.0, ref_model=None, scale_rewards="group",
                       entropy_coef=0.0, mask_truncated=False, chunk_size=1024, generator=None,
-                      prompt_fn=render_prompt, advantage_fn=None):
+                      prompt_fn=render_prompt, advantage_fn=None, supervision="outcome",
+                      step_scorer="verifier", process_variant="sum", step_split="tags"):
     """GRPO loss for one example (book chapters 6-7 contract), batched over its G rollouts.
 
     Samples `num_rollouts` completions with one shared prefill, scores them with `reward_fn`
@@ -483,8 +501,18 @@ def compute_grpo_loss(model, tokenizer, example, device, num_rollouts=8, max_new
     rewards, advantages, samples, loss_tensor (backpropagate this), policy_ratio, clip_fraction,
     entropy. A KL term needs `beta > 0` and a frozen `ref_model`. See `clipped_policy_loss` and
     `aggregate_loss` for loss_type/epsilon/epsilon_high, `group_advantages` for scale_rewards,
-    `collect_rollouts` for advantage_fn (token-level advantages, process supervision).
+    `collect_rollouts` for advantage_fn (token-level advantages). supervision="process" builds
+    that advantage_fn from `step_scorer` (verifier | verifier-signed | mc | mc-hard | prm:PATH or
+    a scorer object), `process_variant` and `step_split` (see `process.make_process_advantage_fn`:
+    DeepSeekMath section 4.1.3 process supervision).
     """
+    if supervision not in ("outcome", "process"):
+        raise ValueError(f"supervision must be 'outcome' or 'process', got {supervision!r}")
+    if supervision == "process" and advantage_fn is None:
+        advantage_fn = make_process_advantage_fn(
+            tokenizer, step_scorer, process_variant, step_split, model=model, device=device,
+            mc_max_new_tokens=max_new_tokens, mc_temperature=temperature,
+        )
     if beta and ref_model is None:
         raise ValueError("compute_grpo_loss: beta > 0 needs a frozen ref_model")
     if reward_fn is None:

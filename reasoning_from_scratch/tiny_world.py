@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .arithmetic import STYLES, classify_completion, format_solution, make_split, parse_problem
 from .prompts import render_prompt

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .evaluation import evaluate
 from .grpo import (
@@ -42,6 +42,7 @@ from .grpo import (
     grpo_loss_on_batch,
 )
 from .plotting import plot_grpo_metrics
+from .process import VARIANTS, make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
 from .weights import (
@@ -97,7 +98,11 @@ class GRPOConfig:
     # advantages
     scale_rewards: str = "group"  # "group" | "batch" | "none" (Dr. GRPO)
     skip_zero_advantage: bool = True  # drop groups whose rewards are all equal
-    supervision: str = "outcome"  # "outcome" | "process" (needs an advantage_fn, see process.py)
+    supervision: str = "outcome"  # "outcome" | "process" (DeepSeekMath 4.1.3, see process.py)
+    step_scorer: str = "verifier"  # process: verifier | verifier-signed | mc | mc-hard | prm:PATH
+    process_variant: str = "sum"  # process: sum | process+outcome | min (PURE) | position
+    step_split: str = "tags"  # process: how completions split into steps
+    mc_rollouts: int = 4  # process, step_scorer mc: continuations sampled per step prefix
     # loss
     loss_type: str = "grpo"  # "grpo" | "dapo" | "dr_grpo" | "sequence"
     epsilon: float | None = 0.2  # None: no clipping (chapter 6)
@@ -396,7 +401,11 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     continue exactly where it stopped. Ctrl-C saves a checkpoint before re-raising.
     """
     if config.supervision == "process" and advantage_fn is None:
-        raise ValueError("supervision='process' needs an advantage_fn (see process.py)")
+        advantage_fn = make_process_advantage_fn(
+            tokenizer, config.step_scorer, config.process_variant, config.step_split,
+            model=model, device=device, mc_rollouts=config.mc_rollouts,
+            mc_max_new_tokens=config.max_new_tokens, mc_temperature=config.temperature,
+        )
     t_start = time.time()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -602,7 +611,14 @@ CONFIG_HELP = {
     "format_reward_conditional": "pay the format reward only for correct answers",
     "scale_rewards": "advantage scaling: group std (GRPO), batch std, or none (Dr. GRPO)",
     "skip_zero_advantage": "drop groups whose rewards are all equal (no learning signal)",
-    "supervision": "outcome (one reward per completion) or process (needs an advantage_fn)",
+    "supervision": "outcome (one reward per completion) or process (a reward per reasoning "
+                   "step, DeepSeekMath-style token advantages)",
+    "step_scorer": "process supervision step scorer: verifier | verifier-signed | mc | mc-hard | "
+                   "prm:PATH",
+    "process_variant": "process advantage: sum (DeepSeekMath) | process+outcome | min (PURE) | "
+                       "position",
+    "step_split": "how completions are split into steps: tags | newlines | blank_lines",
+    "mc_rollouts": "Monte-Carlo continuations per step prefix (step-scorer mc)",
     "loss_type": "grpo: per-sequence token mean; dapo: batch token mean; dr_grpo: sum/(B*max "
                  "tokens); sequence: the book's summed log-prob ratio",
     "epsilon": "PPO clip range: ratio clipped to [1-epsilon, 1+epsilon_high] ('none': no clip)",
@@ -649,7 +665,8 @@ def add_config_arguments(parser, defaults: GRPOConfig):
                                 help=CONFIG_HELP[f.name])
         else:
             choices = {"loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
-                       "supervision": ("outcome", "process")}.get(f.name)
+                       "supervision": ("outcome", "process"), "process_variant": VARIANTS,
+                       "step_split": ("tags", "newlines", "blank_lines")}.get(f.name)
             parser.add_argument(flag, type=type(default), default=default, choices=choices,
                                 help=CONFIG_HELP[f.name])
 

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from reasoning_from_scratch import training
-from reasoning_from_scratch.grpo import batch_logprobs, collect_rollouts, grpo_loss_on_batch
+from reasoning_from_scratch.grpo import (
+    batch_logprobs,
+    collect_rollouts,
+    compute_grpo_loss,
+    grpo_loss_on_batch,
+)
 from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
 from reasoning_from_scratch.rewards import CompositeReward, RewardTerm
 from reasoning_from_scratch.tiny_world import build_corpus, document_text, train_bpe_tokenizer
@@ -193,3 +198,36 @@ def test_ch07_script_three_steps_with_resume(tiny_dir, tmp_path):
 def test_ch06_defaults_are_plain_grpo():
     d = _load_script("ch06_train").CH06_DEFAULTS
     assert (d.epsilon, d.beta, d.format_reward_weight, d.loss_type) == (None, 0.0, 0.0, "sequence")
+
+
+def test_ch07_script_process_supervision(tmp_path):
+    """ch07_train.py --supervision process --step-scorer verifier trains on the bundled model."""
+    out = tmp_path / "ch07-process"
+    script = _load_script("ch07_train")
+    summary = script.main([
+        "--supervision", "process", "--step-scorer", "verifier", "--steps", "1",
+        "--prompts-per-step", "2", "--num-rollouts", "4", "--max-new-tokens", "40",
+        "--eval-examples", "4", "--eval-every", "0", "--train-examples", "20",
+        "--output-dir", str(out), "--no-progress", "--device", "cpu",
+    ])
+    assert summary["steps"] == 1
+    state = json.loads((out / "final" / "trainer_state.json").read_text())
+    assert state["config"]["supervision"] == "process"
+    assert state["config"]["step_scorer"] == "verifier"
+    assert [r["step"] for r in read_metrics(out / "metrics.csv")] == [1.0]
+
+
+def test_compute_grpo_loss_process_gives_token_advantages():
+    """supervision="process": per-token (B, Tc) advantages, zero on padding, finite loss."""
+    model, tokenizer = load_pretrained("tiny-arith", device="cpu")
+    example = {"problem": "Compute (12+7)*3", "answer": "57"}
+    g = torch.Generator().manual_seed(0)
+    out = compute_grpo_loss(model, tokenizer, example, "cpu", num_rollouts=8, max_new_tokens=40,
+                            temperature=1.0, top_p=1.0, generator=g, supervision="process",
+                            step_scorer="verifier")
+    adv = torch.tensor(out["advantages"])
+    assert adv.dim() == 2 or adv.numel() == 0  # (B, Tc) token advantages, or a skipped group
+    assert torch.isfinite(out["loss_tensor"]).all()
+    with pytest.raises(ValueError, match="supervision"):
+        compute_grpo_loss(model, tokenizer, example, "cpu", num_rollouts=2, max_new_tokens=4,
+                          supervision="steps")
