@@ -20,6 +20,7 @@ inputs like `9^{9^{9^{9}}}` before any arithmetic is attempted.
 import atexit
 import json
 import math
+import operator
 import os
 import re
 import select
@@ -376,6 +377,10 @@ def _parse(s):
     return _Parser(s).parse()
 
 
+# The four arithmetic node kinds of the parse tree; shared by exact and sympy evaluation.
+_BINARY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv}
+
+
 def _exact_value(node):
     """Exact Fraction value of a tree, None if irrational/symbolic; raises _TooBig, ZeroDivision.
 
@@ -396,13 +401,7 @@ def _exact_value(node):
         return _exact_root(a, b)
     if a is None or b is None:
         return None
-    if kind == "add":
-        return a + b
-    if kind == "sub":
-        return a - b
-    if kind == "mul":
-        return a * b
-    return a / b  # "div"; ZeroDivisionError propagates: 1/0 is not an answer
+    return _BINARY[kind](a, b)  # "div": ZeroDivisionError propagates; 1/0 is not an answer
 
 
 def _exact_power(base, exponent):
@@ -450,14 +449,8 @@ def _to_sympy(node, sp):
     if kind == "neg":
         return -_to_sympy(node[1], sp)
     a, b = _to_sympy(node[1], sp), _to_sympy(node[2], sp)
-    if kind == "add":
-        return a + b
-    if kind == "sub":
-        return a - b
-    if kind == "mul":
-        return a * b
-    if kind == "div":
-        return a / b
+    if kind in _BINARY:
+        return _BINARY[kind](a, b)
     if kind == "pow":
         return a**b
     return a ** (sp.Integer(1) / b)  # "root"
