@@ -87,6 +87,12 @@ from .step_scorers import (
     VerifierStepScorer,
     build_step_scorer,
 )
+from .supervision_experiment import (
+    plot_process_vs_outcome,
+    run_experiment,
+    summarise,
+    write_table,
+)
 from .tokenizer import END_THINK_TOKEN_ID, THINK_TOKEN_ID, Qwen3Tokenizer
 from .training import GRPOConfig, train_grpo
 from .weights import load_pretrained, save_pretrained

@@ -1,7 +1,7 @@
-"""Chapter 8 index: process supervision (steps, scorers, advantages, PRM; imports only)."""
+"""Chapter 8 index: process supervision (steps, scorers, PRM, outcome vs process; imports only)."""
 
 from .arithmetic import first_error_step, parse_steps, verify_steps
-from .prm import ProcessRewardModel, load_prm, save_prm, train_prm
+from .prm import ProcessRewardModel, load_prm, save_prm, train_prm, train_prm_on_arithmetic
 from .process import (
     make_process_advantage_fn,
     process_advantages,
@@ -16,4 +16,10 @@ from .step_scorers import (
     StepScorer,
     VerifierStepScorer,
     build_step_scorer,
+)
+from .supervision_experiment import (
+    plot_process_vs_outcome,
+    run_experiment,
+    summarise,
+    write_table,
 )

@@ -244,22 +244,29 @@ def load_gsm8k(split="train", path=None, cache_dir=None):
 ARITH_DEFAULT_SIZES = {"train": 10_000, "val": 500, "test": 500}
 
 
-def load_arith(split="test", n=None, seed=None):
-    """`n` problems of the arithmetic world's fixed split (see `arithmetic.make_split`)."""
+def load_arith(split="test", n=None, seed=None, level_weights=None):
+    """`n` problems of the arithmetic world's fixed split (see `arithmetic.make_split`); levels
+    1-5 drawn uniformly, or by `level_weights` (five numbers)."""
     from .arithmetic import make_split  # lazy: keeps this module importable on its own
 
     if n is None:
         if split not in ARITH_DEFAULT_SIZES:
             raise ValueError(f"unknown arith split {split!r}; expected train, val or test")
         n = ARITH_DEFAULT_SIZES[split]
-    return make_split(split, n, seed=seed)
+    return make_split(split, n, seed=seed, level_weights=level_weights)
 
 
 DATASET_NAMES = ("math500", "math", "gsm8k", "arith")
 
 
-def load_dataset_by_name(name, split=None, path=None, cache_dir=None, n=None, seed=None):
-    """Load "math500" | "math" | "gsm8k" | "arith"; `n` keeps the first n examples."""
+def load_dataset_by_name(name, split=None, path=None, cache_dir=None, n=None, seed=None,
+                         level_weights=None):
+    """Load "math500" | "math" | "gsm8k" | "arith"; `n` keeps the first n examples.
+
+    `level_weights` (arith only): the mix of difficulty levels 1-5 of the generated problems.
+    """
+    if level_weights is not None and (name != "arith" or path is not None):
+        raise ValueError("level_weights applies to the generated arith dataset only")
     if name == "math500":
         if split not in (None, "test"):
             raise ValueError(f"math500 only has a 'test' split, got {split!r}")
@@ -274,7 +281,7 @@ def load_dataset_by_name(name, split=None, path=None, cache_dir=None, n=None, se
         if path is not None:
             examples = [_math_row(row, path, lineno) for lineno, row in read_records(path)]
         else:
-            return load_arith(split or "test", n=n, seed=seed)
+            return load_arith(split or "test", n=n, seed=seed, level_weights=level_weights)
     else:
         raise ValueError(f"unknown dataset {name!r}; choose from {DATASET_NAMES}")
     return examples if n is None else examples[:n]

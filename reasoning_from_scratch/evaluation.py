@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .arithmetic import parse_problem, parse_steps, verify_steps
 from .generation import generate_batch
 from .grading import extract_final_candidate, grade_answer
 from .prompts import render_prompt
@@ -45,8 +46,62 @@ def write_jsonl(records, path):
             os.remove(tmp)
 
 
+def step_verdicts(problem, text):
+    """Verifier verdicts of a completion's steps, a missing step counted as wrong; None if the
+    problem is not an arithmetic chain (no step verifier exists for it).
+
+    A completion that skips steps must not look better than one that writes them all, so the
+    list has max(written steps, the problem's operations) entries.
+    """
+    try:
+        n_ops = len(parse_problem(problem)[1])
+    except ValueError:
+        return None
+    verdicts = verify_steps(problem, parse_steps(text))
+    return verdicts + [False] * (n_ops - len(verdicts))
+
+
+def reasoning_stats(records):
+    """How well the think-format answers reason, judged by the exact step verifier.
+
+    Returns think_accuracy (accuracy among think-format answers), step_correctness (fraction of
+    verifier-correct steps over think-format answers of arithmetic problems) and
+    right_answer_wrong_step (among correct think-format answers, the fraction with a wrong or
+    missing step). A figure is None when nothing counts towards it.
+    """
+    think = [r for r in records if has_think_format(r["generated_text"])]
+    good = total = lucky = correct = 0
+    for r in think:
+        verdicts = step_verdicts(r["problem"], r["generated_text"])
+        if verdicts is None:
+            continue
+        good, total = good + sum(verdicts), total + len(verdicts)
+        if r["correct"]:
+            correct += 1
+            lucky += not all(verdicts)
+    return {
+        "think_accuracy": sum(r["correct"] for r in think) / len(think) if think else None,
+        "step_correctness": good / total if total else None,
+        "right_answer_wrong_step": lucky / correct if correct else None,
+    }
+
+
+def per_level_accuracy(records):
+    """Accuracy per difficulty level {level: accuracy} of records that carry a level."""
+    levels = sorted({r["level"] for r in records if r.get("level") is not None})
+    out = {}
+    for level in levels:
+        rs = [r for r in records if r.get("level") == level]
+        out[level] = sum(r["correct"] for r in rs) / len(rs)
+    return out
+
+
 def summarize(records, generation_s, elapsed_s=None):
-    """Summary numbers of per-example records; tokens/s counts generation time only."""
+    """Summary numbers of per-example records; tokens/s counts generation time only.
+
+    Besides accuracy and lengths: the think-format rate, `reasoning_stats` and, when the
+    examples have difficulty levels, `per_level` accuracy.
+    """
     n = len(records)
     total_tokens = sum(r["num_tokens"] for r in records)
     num_correct = sum(r["correct"] for r in records)
@@ -60,6 +115,8 @@ def summarize(records, generation_s, elapsed_s=None):
         "format_rate": num_think / n if n else 0.0,
         "generation_s": generation_s,
         "elapsed_s": generation_s if elapsed_s is None else elapsed_s,
+        **reasoning_stats(records),
+        "per_level": per_level_accuracy(records),
     }
 
 
@@ -83,7 +140,8 @@ def evaluate(
     The summary holds accuracy, num_correct, num_examples, mean_length (generated tokens,
     EOS included), tokens_per_s (generated tokens per second of generation), format_rate, and
     `records`: one dict per example, in input order, with index, problem, ground_truth,
-    generated_text, extracted_answer, correct and num_tokens (also written to `jsonl_path`).
+    generated_text, extracted_answer, correct, num_tokens and level (None if the example has
+    none) (also written to `jsonl_path`).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -131,6 +189,7 @@ def evaluate(
                 "extracted_answer": extracted,
                 "correct": correct,
                 "num_tokens": int(num_tokens),
+                "level": examples[i].get("level"),
             }
         num_done += len(batch)
         bar.update(len(batch))

@@ -13,7 +13,8 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-BAR_COLUMNS = ("eval_accuracy", "eval_format_rate")  # measured only at eval steps
+BAR_COLUMNS = ("eval_accuracy", "eval_format_rate", "eval_think_accuracy",
+               "eval_step_correctness")  # measured only at eval steps
 
 
 def moving_average(values, window_fraction=0.25):

@@ -16,13 +16,16 @@ Files: `save_prm(prm, tokenizer, dir)` writes the backbone in the Hugging Face l
 (`weights.save_pretrained`: config.json, model.safetensors, tokenizer files) plus
 `prm_head.safetensors` and `prm_config.json`; `load_prm(dir)` reads them back.
 `make_prm_dataset` builds stepwise records by sampling completions from a policy and labelling
-their steps with a step scorer (the exact verifier or Monte-Carlo rollouts).
+their steps with a step scorer (the exact verifier or Monte-Carlo rollouts);
+`train_prm_on_arithmetic` runs the whole recipe on the tiny arithmetic world (sample, label, train,
+evaluate on held-out steps, save), for `chapters/ch08_train_prm.py` and the chapter 8 experiment.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -283,14 +286,17 @@ def make_prm_dataset(model, tokenizer, examples, step_scorer, num_samples: int =
                      max_new_tokens: int = 96, temperature: float = 1.0, top_p: float = 1.0,
                      threshold: float = 0.5, split_mode: str = "tags",
                      generator: torch.Generator | None = None, device=None,
-                     dedupe: bool = True, batch_size: int = 64) -> list[dict]:
+                     dedupe: bool = True, batch_size: int = 64,
+                     stats: dict | None = None) -> list[dict]:
     """Stepwise records from sampled completions labelled by a step scorer.
 
     For each example, `num_samples` completions of `render_prompt(problem)` are sampled from
     `model` (batched, `batch_size` rows at a time), split into steps
     (`split_steps(text, split_mode)`), scored with `step_scorer` (e.g. `VerifierStepScorer()`
     or a `MonteCarloStepScorer`) and labelled `score >= threshold`.
-    Identical completions of a problem are kept once when `dedupe`.
+    Identical completions of a problem are kept once when `dedupe`. When a `stats` dict is given,
+    the tokens sampled here are added to its "generated_tokens" entry (the scorer counts its own,
+    see `cost()`).
     """
     from .prompts import render_prompt
     from .step_scorers import as_step_scorer, sample_continuations
@@ -298,8 +304,11 @@ def make_prm_dataset(model, tokenizer, examples, step_scorer, num_samples: int =
     scorer = as_step_scorer(step_scorer)
     prompts = [render_prompt(ex["problem"]) for ex in examples]
     # All problems' samples in a few left-padded batches (one prefill per problem).
-    completions, _ = sample_continuations(model, tokenizer, prompts, num_samples, max_new_tokens,
-                                          temperature, top_p, generator, batch_size, device)
+    completions, n_tokens = sample_continuations(model, tokenizer, prompts, num_samples,
+                                                 max_new_tokens, temperature, top_p, generator,
+                                                 batch_size, device)
+    if stats is not None:
+        stats["generated_tokens"] = stats.get("generated_tokens", 0) + n_tokens
     records = []
     for ex, prompt, texts in zip(examples, prompts, completions):
         texts = list(dict.fromkeys(texts)) if dedupe else list(texts)
@@ -333,3 +342,101 @@ def make_prm_dataset_from_mc(model, tokenizer, examples, num_continuations: int 
                               max_new_tokens=kwargs.get("max_new_tokens", 96),
                               generator=kwargs.get("generator"), device=kwargs.get("device"))
     return make_prm_dataset(model, tokenizer, examples, mc, **kwargs)
+
+
+def label_agreement(records, reference_records) -> float:
+    """Fraction of steps whose labels agree between two labellings of the same completions."""
+    a = [x for r in records for x in r["labels"]]
+    b = [x for r in reference_records for x in r["labels"]]
+    return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
+
+
+def train_prm_on_arithmetic(policy, tokenizer, out_dir, labels: str = "verifier",
+                            train_problems: int = 400, eval_problems: int = 150,
+                            samples: int = 4, max_new_tokens: int = 64,
+                            temperature: float = 1.0, mc_rollouts: int = 4, epochs: int = 4,
+                            lr: float = 1e-3, batch_size: int = 16, seed: int = 0, device=None,
+                            info: dict | None = None, log=print) -> dict:
+    """Train a PRM on the arithmetic world from `policy`'s own completions; returns the report.
+
+    Samples `samples` completions per problem from `policy` for `train_problems` train-split
+    problems (drawn with seed `seed + 100`) and `eval_problems` val-split problems, splits them into
+    steps, labels the training steps with the exact verifier (`labels="verifier"`) or with
+    Math-Shepherd hard Monte-Carlo values of the policy (`labels="mc"`, `mc_rollouts`
+    continuations per step prefix), and the held-out steps always with the verifier. The PRM's
+    backbone starts from a copy of `policy`; it is trained with BCE (`train_prm`) and saved to
+    `out_dir` (`save_prm`) with prm_report.json: settings, data sizes, generated tokens, step
+    accuracy on train and held-out steps before/after training (with the majority baseline),
+    seconds. `info` entries (e.g. the model name) are added to the report. Seeds torch's global
+    RNG with `seed` (the head's initialisation).
+    """
+    from .arithmetic import make_split
+    from .step_scorers import MonteCarloStepScorer, VerifierStepScorer
+    from .weights import atomic_write_json
+
+    if labels not in ("verifier", "mc"):
+        raise ValueError(f"labels must be 'verifier' or 'mc', got {labels!r}")
+    settings = dict(labels=labels, train_problems=train_problems, eval_problems=eval_problems,
+                    samples=samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                    mc_rollouts=mc_rollouts, epochs=epochs, lr=lr, batch_size=batch_size,
+                    seed=seed)
+    torch.manual_seed(seed)
+    out = Path(out_dir)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    train_set = make_split("train", train_problems, seed=seed + 100)
+    eval_set = make_split("val", eval_problems)
+    common = dict(num_samples=samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                  device=device)
+    sampled: dict = {}  # tokens sampled for the records (the MC labeller's come on top)
+
+    t0 = time.time()
+    report: dict = {"settings": settings, **(info or {})}
+    if labels == "mc":
+        mc = MonteCarloStepScorer(policy, tokenizer, num_continuations=mc_rollouts, mode="hard",
+                                  max_new_tokens=max_new_tokens, temperature=temperature,
+                                  generator=gen, device=device)
+        train_records = make_prm_dataset(policy, tokenizer, train_set, mc, generator=gen,
+                                         stats=sampled, **common)
+        verifier = VerifierStepScorer()
+        truth = [{**r, "labels": [x == 1.0 for x in verifier.score(r["prompt"], r["completions"],
+                                                                    r)]} for r in train_records]
+        agree = label_agreement(train_records, truth)
+        cost = mc.cost()
+        report.update(mc_generated_tokens=cost["mc_generated_tokens"],
+                      mc_rollouts=cost["mc_rollouts"], mc_verifier_agreement=agree)
+        log(f"MC labels: {cost['mc_generated_tokens']:.0f} generated tokens, "
+            f"{cost['mc_rollouts']:.0f} rollouts; agreement with the verifier {agree:.3f}")
+    else:
+        train_records = make_prm_dataset(policy, tokenizer, train_set, VerifierStepScorer(),
+                                         generator=gen, stats=sampled, **common)
+    eval_records = make_prm_dataset(policy, tokenizer, eval_set, VerifierStepScorer(),
+                                    generator=gen, stats=sampled, **common)
+    n_steps = sum(len(r["labels"]) for r in train_records)
+    pos = sum(sum(r["labels"]) for r in train_records) / max(1, n_steps)
+    data_seconds = time.time() - t0
+    log(f"PRM data: {len(train_records)} train completions ({n_steps} steps, {pos:.1%} correct), "
+        f"{len(eval_records)} held-out completions; {data_seconds:.0f}s")
+
+    prm = ProcessRewardModel.from_pretrained_backbone(policy).to(device or policy.device)
+    before = evaluate_prm(prm, tokenizer, eval_records)
+    t1 = time.time()
+    losses = train_prm(prm, tokenizer, train_records, epochs=epochs, lr=lr,
+                       batch_size=batch_size, seed=seed,
+                       log_every=max(1, len(train_records) // batch_size))
+    train_seconds = time.time() - t1
+    held_out = evaluate_prm(prm, tokenizer, eval_records)
+    report.update({
+        "train_completions": len(train_records), "train_steps": n_steps,
+        "train_positive_rate": pos, "held_out_completions": len(eval_records),
+        "sampled_tokens": sampled.get("generated_tokens", 0),
+        "held_out_before_training": before,
+        "train": evaluate_prm(prm, tokenizer, train_records), "held_out": held_out,
+        "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
+        "data_seconds": data_seconds, "train_seconds": train_seconds, "output_dir": str(out),
+    })
+    save_prm(prm, tokenizer, out)
+    atomic_write_json(out / "prm_report.json", report)
+    log(f"PRM held-out step accuracy {held_out['accuracy']:.3f} (balanced "
+        f"{held_out['balanced_accuracy']:.3f}; majority baseline "
+        f"{held_out['majority_accuracy']:.3f}; {held_out['n_steps']:.0f} steps); saved to {out}")
+    return report

@@ -34,7 +34,16 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .arithmetic import STYLES, classify_completion, format_solution, make_split, parse_problem
+from .arithmetic import (
+    STYLES,
+    apply_op,
+    classify_completion,
+    flawed_solution,
+    format_solution,
+    make_split,
+    parse_problem,
+)
+from .evaluation import evaluate
 from .prompts import render_prompt
 from .qwen3 import KVCache, Qwen3Model, tiny_config
 from .tokenizer import END_THINK, ENDOFTEXT, IM_END, IM_START, THINK, Qwen3Tokenizer
@@ -42,11 +51,11 @@ from .tokenizer import END_THINK, ENDOFTEXT, IM_END, IM_START, THINK, Qwen3Token
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK, END_THINK)
 
 # The per-problem format mix of the corpus: a document uses the dominant style of its problem's
-# number of operations with probability DOMINANT_WEIGHT and otherwise a style drawn from
+# level (= number of operations) with probability DOMINANT_WEIGHT and otherwise a style drawn from
 # STYLE_BACKGROUND. The number of operations is an easy, local feature for the model (the problem
-# starts "Compute 3", "Compute (" or "Compute (("), so it learns the conditional mix quickly. With
-# these numbers the think format has probability 0.64 for two-operation problems (its greedy
-# choice there) and 0.24 for the others, where it is not greedy but never rare when sampling.
+# starts "Compute 3", "Compute (" or "Compute ((..."), so it learns the conditional mix quickly.
+# With these numbers the think format has probability 0.64 for levels 2 and 4 (its greedy choice
+# there) and 0.24 for the others, where it is not greedy but never rare when sampling.
 STYLE_BACKGROUND = {
     "think": 0.40,
     "steps_answer": 0.30,
@@ -54,11 +63,40 @@ STYLE_BACKGROUND = {
     "direct_boxed": 0.10,
     "direct_answer": 0.10,
 }
-DOMINANT_STYLE = {1: "direct_answer", 2: "think", 3: "steps_answer"}  # by number of operations
-DEFAULT_DOMINANT = "steps_answer"  # four operations
+DOMINANT_STYLE = {1: "direct_answer", 2: "think", 3: "steps_answer", 4: "think",
+                  5: "steps_answer"}  # by level
+DEFAULT_DOMINANT = "steps_answer"
 DOMINANT_WEIGHT = 0.4
 
-# The bundled model's architecture: 834,432 parameters with the 364-token vocabulary that the
+# Flawed solutions: the corpus is written by learners who forget carries and borrows (see
+# arithmetic.slip_result), more often on three-digit work, and now and then copy an operand with
+# its digits transposed. Slips are independent of the solution format, so every format is equally
+# reliable and the format lesson (chapter 7) stays separate from the reasoning lesson. With a slip
+# probability above 1/2, the *most likely* continuation of a three-digit carry is wrong: the
+# greedy base model makes those errors systematically, while sampling still finds the right
+# carry often enough for reinforcement learning to reward it (calibration: docs/tiny_world.md).
+SLIP_PROB_SMALL = 0.15  # carries of a step whose numbers all stay below 100
+SLIP_PROB_LARGE = 0.6  # carries of a step with a three-digit number (operand or result)
+OPERAND_SLIP_PROB = 0.04  # a two-digit operand copied with its digits transposed
+CORPUS_LEVEL_WEIGHTS = (1, 1, 1, 1, 1)  # level mix of the pretraining corpus (levels 1-5)
+
+
+def is_large_step(a: int, op: str, b: int) -> bool:
+    """Whether step `a op b` involves a three-digit number (an operand or the result)."""
+    return max(a, b, apply_op(op, a, b)) >= 100
+
+
+def make_slip_prob(small: float = SLIP_PROB_SMALL, large: float = SLIP_PROB_LARGE):
+    """slip_prob(a, op, b) for `flawed_solution`: `large` on three-digit steps, else `small`."""
+    def slip_prob(a: int, op: str, b: int) -> float:
+        return large if is_large_step(a, op, b) else small
+    return slip_prob
+
+
+corpus_slip_prob = make_slip_prob()  # the bundled corpus's slip probabilities
+
+
+# The bundled model's architecture: 834,816 parameters with the 367-token vocabulary that the
 # default corpus yields (the BPE runs out of merges below its 384-token cap); 3.3 MB in float32.
 TINY_ARITH_ARCH = dict(
     hidden_size=128,
@@ -126,23 +164,38 @@ def style_distribution(example: dict) -> dict[str, float]:
     return probs
 
 
-def build_corpus(n: int, seed: int = 0, **knobs) -> list[dict]:
-    """`n` pretraining documents: dicts with "prompt", "completion", "style" (+ the example keys).
+def build_corpus(
+    n: int,
+    seed: int = 0,
+    level_weights=CORPUS_LEVEL_WEIGHTS,
+    slip_prob=corpus_slip_prob,
+    operand_slip_prob: float = OPERAND_SLIP_PROB,
+    **knobs,
+) -> list[dict]:
+    """`n` pretraining documents: dicts with "prompt", "completion", "style", "slips" (+ the
+    example keys; "answer" stays the true answer, the completion may give a wrong one).
 
     The document text is prompt + completion + "<|endoftext|>" (base-model style, no chat
-    template). Problems come from the "train" split, so held-out problems are never seen.
+    template). Problems come from the "train" split, so held-out problems are never seen. Each
+    solution is written with slips (`arithmetic.flawed_solution`; `slip_prob=None` for a clean
+    corpus), then rendered in a style drawn from `style_distribution`.
     """
     rng = random.Random(seed)
     docs = []
-    for ex in make_split("train", n, seed=seed, **knobs):
+    split_knobs = knobs if knobs else {"level_weights": level_weights}
+    for ex in make_split("train", n, seed=seed, **split_knobs):
         probs = style_distribution(ex)
         style = rng.choices(list(probs), weights=list(probs.values()))[0]
+        written = ex
+        if slip_prob is not None:
+            written = flawed_solution(ex, rng, slip_prob, operand_slip_prob)
         docs.append(
             {
                 **ex,
                 "prompt": render_prompt(ex["problem"]),
-                "completion": format_solution(ex, style),
+                "completion": format_solution(written, style),
                 "style": style,
+                "slips": written.get("slips", []),
             }
         )
     return docs
@@ -315,62 +368,62 @@ def measure_base_model(
     model,
     tokenizer,
     examples,
-    max_new_tokens: int = 96,
+    max_new_tokens: int = 112,
     batch_size: int = 100,
     sample_temperature: float = 1.0,
+    num_samples: int = 8,
     seed: int = 0,
 ) -> dict:
-    """Held-out figures: greedy and sampled strict accuracy, think-format rate, lengths, styles.
+    """Held-out figures of a base model, greedy and sampled (`num_samples` per problem).
 
-    Strict accuracy is the mean of `reward_rlvr` (a boxed answer equal to the reference); the
-    think-format rate is the mean of `reward_format` (a <think> token before a </think> token).
+    Per decoding mode: strict accuracy (a boxed answer equal to the reference, the RL reward),
+    think-format rate, accuracy among think-format answers, verifier step correctness over the
+    think-format answers, accuracy per level, mean length and the mix of styles; sampled also
+    pass@1 (= its strict accuracy) and pass@k (a correct answer among the k samples).
     """
-    from .generation import generate_batch
-    from .grading import reward_rlvr
-    from .rewards import reward_format
-
-    device = model.device
-    think_id, end_id = tokenizer.think_token_id, tokenizer.end_think_token_id
-    figures = {"n": len(examples)}
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for mode, temperature in (("greedy", 0.0), ("sampled", sample_temperature)):
-        correct, think, lengths, styles = [], [], [], []
-        for i in range(0, len(examples), batch_size):
-            chunk = examples[i : i + batch_size]
-            prompts = [render_prompt(ex["problem"]) for ex in chunk]
-            texts, ids, mask = generate_batch(
-                model, tokenizer, prompts, device, max_new_tokens=max_new_tokens,
-                temperature=temperature, top_p=1.0, generator=gen,
-            )
-            for ex, text, row, m in zip(chunk, texts, ids, mask):
-                real = row[m.bool()]
-                correct.append(reward_rlvr(text, ex["answer"]))
-                think.append(reward_format(real, 0, think_id, end_id))
-                lengths.append(int(m.sum()))
-                styles.append(classify_completion(text))
-        n = len(correct)
-        in_think = [c for c, t in zip(correct, think) if t]
+    n = len(examples)
+    figures = {"n": n, "num_samples": num_samples}
+    for mode, temperature, reps in (("greedy", 0.0, 1),
+                                    ("sampled", sample_temperature, num_samples)):
+        res = evaluate(model, tokenizer, list(examples) * reps, model.device,
+                       max_new_tokens=max_new_tokens, batch_size=batch_size,
+                       temperature=temperature, seed=seed, progress=False)
+        records = res["records"]
+        styles = [classify_completion(r["generated_text"]) for r in records]
         figures[mode] = {
-            "strict_accuracy": sum(correct) / n,
-            "think_format_rate": sum(think) / n,
-            "accuracy_in_think_format": sum(in_think) / len(in_think) if in_think else float("nan"),
-            "mean_completion_tokens": sum(lengths) / n,
-            "styles": {s: styles.count(s) / n for s in (*STYLES, "other") if s in styles},
+            "strict_accuracy": res["accuracy"],
+            "think_format_rate": res["format_rate"],
+            "accuracy_in_think_format": res["think_accuracy"],
+            "step_correctness": res["step_correctness"],
+            "per_level": res["per_level"],
+            "mean_completion_tokens": res["mean_length"],
+            "styles": {s: styles.count(s) / len(styles) for s in (*STYLES, "other")
+                       if s in styles},
         }
+        if reps > 1:  # record j is sample j // n of problem j % n
+            solved = [any(records[i + r * n]["correct"] for r in range(reps)) for i in range(n)]
+            figures[mode][f"pass@{reps}"] = sum(solved) / n
     return figures
 
 
 def format_figures(figures: dict) -> str:
     """Human-readable table of `measure_base_model` figures."""
+    def pct(v):
+        return "n/a" if v is None else f"{v:.1%}"
+
     lines = [f"held-out test problems: {figures['n']}"]
     for mode in ("greedy", "sampled"):
         f = figures[mode]
         styles = ", ".join(f"{s} {v:.0%}" for s, v in f["styles"].items())
+        levels = ", ".join(f"L{k} {v:.0%}" for k, v in f["per_level"].items())
+        extra = "".join(f" | {k} {v:.1%}" for k, v in f.items() if k.startswith("pass@"))
         lines.append(
-            f"{mode:>8}: strict accuracy {f['strict_accuracy']:.1%} | think-format rate "
-            f"{f['think_format_rate']:.1%} | accuracy in think format "
-            f"{f['accuracy_in_think_format']:.1%} | mean completion "
-            f"{f['mean_completion_tokens']:.1f} tokens\n          styles: {styles}"
+            f"{mode:>8}: strict accuracy {pct(f['strict_accuracy'])}{extra} | think-format rate "
+            f"{pct(f['think_format_rate'])} | accuracy in think format "
+            f"{pct(f['accuracy_in_think_format'])} | step correctness (think) "
+            f"{pct(f['step_correctness'])} | mean completion "
+            f"{f['mean_completion_tokens']:.1f} tokens\n          per level: {levels}"
+            f"\n          styles: {styles}"
         )
     return "\n".join(lines)
 
@@ -383,7 +436,7 @@ def format_figures(figures: dict) -> str:
 def build_tiny_model(
     out_dir,
     seed: int = 0,
-    steps: int = 3000,
+    steps: int = 4000,
     batch_size: int = 32,
     lr: float = 3e-3,
     warmup: int = 100,
@@ -391,17 +444,23 @@ def build_tiny_model(
     tokenizer_docs: int = 5000,
     n_test: int = 200,
     progress: bool = True,
+    slip_prob_small: float = SLIP_PROB_SMALL,
+    slip_prob_large: float = SLIP_PROB_LARGE,
+    operand_slip_prob: float = OPERAND_SLIP_PROB,
 ) -> dict:
     """Train tokenizer and model from `seed`, save them to `out_dir` (HF layout), return figures.
 
-    The corpus holds one fresh document per training sequence (steps * batch_size documents).
+    The corpus holds one fresh document per training sequence (steps * batch_size documents),
+    written with the given slip probabilities (see `build_corpus`).
     """
     from .weights import save_pretrained
 
     t0 = time.time()
     random.seed(seed)
     torch.manual_seed(seed)
-    docs = build_corpus(steps * batch_size, seed=seed)
+    docs = build_corpus(steps * batch_size, seed=seed,
+                        slip_prob=make_slip_prob(slip_prob_small, slip_prob_large),
+                        operand_slip_prob=operand_slip_prob)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = train_bpe_tokenizer(
             (document_text(d) for d in docs[:tokenizer_docs]), vocab_size=vocab_size, out_dir=tmp

@@ -57,14 +57,20 @@ METRIC_COLUMNS = [
     "step", "loss", "pg_loss", "kl", "reward_mean", "reward_std", "correct_mean", "format_mean",
     "adv_mean", "adv_std", "zero_adv_frac", "entropy", "ratio_mean", "ratio_max",
     "clip_frac_low", "clip_frac_high", "len_mean", "len_max", "truncated_frac", "grad_norm",
-    "skipped", "tokens_per_s", "rollout_s", "update_s", "step_time", "lr", "eval_accuracy",
-    "eval_format_rate",
+    "skipped", "gen_tokens", "scorer_tokens", "tokens_per_s", "rollout_s", "update_s",
+    "step_time", "lr", "eval_accuracy", "eval_format_rate", "eval_think_accuracy",
+    "eval_step_correctness",
 ]
+# evaluation figure -> metrics.csv column (filled at evaluation steps only)
+EVAL_COLUMNS = {"accuracy": "eval_accuracy", "format_rate": "eval_format_rate",
+                "think_accuracy": "eval_think_accuracy",
+                "step_correctness": "eval_step_correctness"}
 # Columns that measure time: they differ between two otherwise identical runs.
 TIMING_COLUMNS = ("tokens_per_s", "rollout_s", "update_s", "step_time")
 # Not "loss": with one update per batch it is ~0 by construction (ratio 1, advantages of mean 0).
-PLOT_COLUMNS = ["reward_mean", "correct_mean", "format_mean", "eval_accuracy", "entropy",
-                "len_mean", "zero_adv_frac", "kl"]
+PLOT_COLUMNS = ["reward_mean", "correct_mean", "format_mean", "eval_accuracy",
+                "eval_think_accuracy", "eval_step_correctness", "entropy", "len_mean",
+                "zero_adv_frac", "kl"]
 
 
 @dataclass
@@ -345,11 +351,21 @@ def _load_weights(model, model_dir):
 # ----------------------------------------------------------------------------------------------
 
 def _evaluate(model, tokenizer, examples, device, config, prompt_fn):
-    """Greedy strict accuracy and think-format rate on the held-out set."""
+    """Greedy held-out figures: strict accuracy, think-format rate, accuracy among think answers,
+    verifier step correctness, right answer with a wrong step, accuracy per level."""
     res = evaluate(model, tokenizer, examples, device,
                    max_new_tokens=config.eval_max_new_tokens or config.max_new_tokens,
                    batch_size=config.eval_batch_size, prompt_fn=prompt_fn, progress=False)
-    return res["accuracy"], res["format_rate"]
+    keys = ("accuracy", "format_rate", "think_accuracy", "step_correctness",
+            "right_answer_wrong_step")
+    # str keys: the same dict before and after a JSON round trip (checkpoints, summary.json)
+    return {**{k: res[k] for k in keys},
+            "per_level": {str(k): v for k, v in res["per_level"].items()}}
+
+
+def _eval_row(figures):
+    """The metrics.csv cells of an evaluation (None figures stay empty)."""
+    return {col: figures[k] for k, col in EVAL_COLUMNS.items() if figures[k] is not None}
 
 
 def _update(model, optimizer, batch, old_logp, ref_logp, config):
@@ -437,10 +453,8 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
 
     base = state.get("base")
     if base is None:
-        base_acc, base_fmt = _evaluate(model, tokenizer, eval_set, device, config, prompt_fn)
-        base = {"accuracy": base_acc, "format_rate": base_fmt}
-        _print(config, f"base model: held-out accuracy {base_acc:.3f}, "
-                       f"format rate {base_fmt:.3f} ({len(eval_set)} examples)")
+        base = _evaluate(model, tokenizer, eval_set, device, config, prompt_fn)
+        _print(config, f"base model: held-out {_eval_line(base)} ({len(eval_set)} examples)")
     last_eval = state.get("last_eval", base)
 
     def checkpoint(step, name=None):
@@ -457,9 +471,8 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                               out)
             done = step + 1
             if config.eval_every and done % config.eval_every == 0 and done < config.steps:
-                acc, fmt = _evaluate(model, tokenizer, eval_set, device, config, prompt_fn)
-                last_eval = {"accuracy": acc, "format_rate": fmt}
-                row.update(eval_accuracy=acc, eval_format_rate=fmt)
+                last_eval = _evaluate(model, tokenizer, eval_set, device, config, prompt_fn)
+                row.update(_eval_row(last_eval))
             log.append(row)
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}",
                             correct=f"{row.get('correct_mean', 0):.2f}",
@@ -474,20 +487,23 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
         raise
     bar.close()
 
-    final_acc, final_fmt = _evaluate(model, tokenizer, eval_set, device, config, prompt_fn)
-    last_eval = {"accuracy": final_acc, "format_rate": final_fmt}
-    _patch_last_row(out / "metrics.csv", columns, final_acc, final_fmt)
+    final = last_eval = _evaluate(model, tokenizer, eval_set, device, config, prompt_fn)
+    _patch_last_row(out / "metrics.csv", columns, _eval_row(final))
     checkpoint(config.steps, "final")
     summary = {
-        "base_accuracy": base["accuracy"], "final_accuracy": final_acc,
-        "base_format_rate": base["format_rate"], "final_format_rate": final_fmt,
+        **{f"{when}_{k}": figures[k]
+           for k in ("accuracy", "format_rate", "think_accuracy", "step_correctness",
+                     "right_answer_wrong_step")
+           for when, figures in (("base", base), ("final", final))},
+        "per_level": {lv: {"base": base["per_level"].get(lv), "final": acc}
+                      for lv, acc in final["per_level"].items()},
         "steps": config.steps, "wall_seconds": time.time() - t_start,
         "eval_examples": len(eval_set), "output_dir": str(out),
     }
     atomic_write_json(out / "summary.json", summary)
     plot_grpo_metrics(out / "metrics.csv", PLOT_COLUMNS, save_as=out / "metrics.png")
-    _print(config, f"held-out accuracy {base['accuracy']:.3f} -> {final_acc:.3f}, format rate "
-                   f"{base['format_rate']:.3f} -> {final_fmt:.3f}; wrote {out}")
+    _print(config, f"held-out before: {_eval_line(base)}\nheld-out after:  {_eval_line(final)}\n"
+                   f"wrote {out}")
     return summary
 
 
@@ -508,6 +524,7 @@ def _train_step(model, tokenizer, examples, device, config, optimizer, ref_model
                 reward_names, advantage_fn, prompt_fn, step, out):
     """Rollouts, scoring and `inner_epochs` updates of one step; returns the metrics row."""
     t0 = time.time()
+    scorer_tokens_before = _scorer_tokens(advantage_fn)
     batch = collect_rollouts(
         model, tokenizer, step_prompts(examples, step, config), device, reward_fn,
         config.num_rollouts, config.max_new_tokens, config.temperature, config.top_p,
@@ -539,12 +556,21 @@ def _train_step(model, tokenizer, examples, device, config, optimizer, ref_model
         row.update(loss=0.0, pg_loss=0.0, kl=0.0, skipped=0)
     t2 = time.time()
     row.update(rollout_s=t1 - t0, update_s=t2 - t1, step_time=t2 - t0,
-               tokens_per_s=batch.num_generated_tokens / max(t2 - t0, 1e-9))
+               tokens_per_s=batch.num_generated_tokens / max(t2 - t0, 1e-9),
+               gen_tokens=batch.num_generated_tokens,
+               scorer_tokens=_scorer_tokens(advantage_fn) - scorer_tokens_before)
     if config.sample_every and (step + 1) % config.sample_every == 0:
         with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
             for s in batch.samples:
                 f.write(json.dumps({"step": step + 1, **s}, ensure_ascii=False) + "\n")
     return row
+
+
+def _scorer_tokens(advantage_fn):
+    """Tokens generated so far by a process step scorer (Monte-Carlo continuations); 0 if free."""
+    scorer = getattr(advantage_fn, "step_scorer", None)
+    cost = scorer.cost() if scorer is not None and hasattr(scorer, "cost") else {}
+    return int(cost.get("mc_generated_tokens", 0))
 
 
 def _logprobs_no_grad(model, batch, config):
@@ -555,12 +581,12 @@ def _logprobs_no_grad(model, batch, config):
     return torch.cat(parts)
 
 
-def _patch_last_row(path, columns, acc, fmt):
+def _patch_last_row(path, columns, cells):
     """Put the final evaluation into the last metrics row (the plot shows it as the last bar)."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     if rows:
-        rows[-1]["eval_accuracy"], rows[-1]["eval_format_rate"] = _fmt(acc), _fmt(fmt)
+        rows[-1].update({k: _fmt(v) for k, v in cells.items()})
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns)
     writer.writeheader()
@@ -585,6 +611,15 @@ def _row_line(row):
     if "eval_accuracy" in row:
         parts.append(f"EVAL acc {row['eval_accuracy']:.3f} format {row['eval_format_rate']:.3f}")
     return " | ".join(parts)
+
+
+def _eval_line(figures):
+    """One line of evaluation figures (accuracy, format, think accuracy, step correctness)."""
+    def f(v):
+        return "n/a" if v is None else f"{v:.3f}"
+    return (f"accuracy {f(figures['accuracy'])}, format rate {f(figures['format_rate'])}, "
+            f"accuracy in think format {f(figures['think_accuracy'])}, step correctness "
+            f"{f(figures['step_correctness'])}")
 
 
 def _print(config, msg):
@@ -686,6 +721,10 @@ def build_parser(description, defaults: GRPOConfig, run_prefix):
                    help="held-out split for arith (val for tuning, test for reporting)")
     p.add_argument("--train-examples", type=int, default=None,
                    help="use the first N training problems (None: the whole split)")
+    p.add_argument("--train-level-weights", type=_level_weights, default=None,
+                   help="arith: mix of difficulty levels 1-5 in the training problems, five "
+                        "comma-separated weights such as 1,1,2,2,2 (None: uniform, like the "
+                        "held-out splits)")
     p.add_argument("--output-dir", default=None,
                    help=f"run directory (None: runs/{run_prefix}-<timestamp>)")
     p.add_argument("--resume", default=None,
@@ -703,12 +742,32 @@ def build_parser(description, defaults: GRPOConfig, run_prefix):
     return p
 
 
-def load_grpo_data(dataset, train_examples=None, eval_split="test", eval_examples=None):
+def _level_weights(text):
+    """argparse type: 'none' or five non-negative comma-separated weights, not all zero."""
+    if text.lower() == "none":
+        return None
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected five comma-separated numbers, got {text!r}") from None
+    if len(weights) != 5 or any(not math.isfinite(w) or w < 0 for w in weights) \
+            or not sum(weights):
+        raise argparse.ArgumentTypeError(f"expected five non-negative weights (levels 1-5), "
+                                         f"not all zero, got {text!r}")
+    return weights
+
+
+def load_grpo_data(dataset, train_examples=None, eval_split="test", eval_examples=None,
+                   train_level_weights=None):
     """(train, held-out) example lists for a dataset name."""
     from .datasets import load_dataset_by_name
 
+    if train_level_weights is not None and dataset != "arith":
+        raise ValueError("--train-level-weights applies to the arith dataset only")
     if dataset == "arith":
-        train = load_dataset_by_name("arith", "train", n=train_examples)
+        train = load_dataset_by_name("arith", "train", n=train_examples,
+                                     level_weights=train_level_weights)
         held_out = load_dataset_by_name("arith", eval_split, n=eval_examples)
     elif dataset in ("math", "math500"):
         train = load_dataset_by_name("math", n=train_examples)
@@ -719,7 +778,8 @@ def load_grpo_data(dataset, train_examples=None, eval_split="test", eval_example
     return train, held_out
 
 
-DATA_FLAGS = ("dataset", "eval_split", "train_examples")  # saved in data.json, reused on resume
+# saved in data.json, reused on resume
+DATA_FLAGS = ("dataset", "eval_split", "train_examples", "train_level_weights")
 
 
 def run_cli(argv, description, defaults: GRPOConfig, run_prefix):
@@ -754,7 +814,7 @@ def run_cli(argv, description, defaults: GRPOConfig, run_prefix):
     model, tokenizer = load_pretrained(model_source, device=device,
                                        dtype=getattr(torch, args.dtype))
     train, held_out = load_grpo_data(data["dataset"], data["train_examples"], data["eval_split"],
-                                     config.eval_examples)
+                                     config.eval_examples, data.get("train_level_weights"))
     print(f"model {model_source} on {device}; {len(train)} training problems, {len(held_out)} "
           f"held-out ({data['dataset']}); run dir {config.output_dir}")
     summary = train_grpo(model, tokenizer, train, held_out, device, config, resume_from=ckpt)

@@ -1,18 +1,25 @@
 """Tests for the arithmetic world: generator, formats, step verifier, splits."""
 
+import random
 import re
 
 import pytest
 
 from reasoning_from_scratch.arithmetic import (
+    LEVELS,
     STYLES,
+    apply_op,
     classify_completion,
     example_from_chain,
     first_error_step,
+    flawed_solution,
     format_solution,
     make_split,
+    operand_slip,
     parse_problem,
     parse_steps,
+    problem_level,
+    slip_result,
     split_of,
     verify_steps,
 )
@@ -41,15 +48,31 @@ def test_answers_and_steps_are_correct():
     for ex in make_split("train", 300, seed=1):
         numbers, ops = parse_problem(ex["problem"])
         assert int(ex["answer"]) == _left_to_right(ex["problem"])
-        assert len(ex["steps"]) == len(ops)
+        assert len(ex["steps"]) == len(ops) == ex["level"] == problem_level(ex["problem"])
+        knobs = LEVELS[ex["level"]]
         running = numbers[0]
         for step, op, b in zip(ex["steps"], ops, numbers[1:]):
             lhs, c = step.split("=")
             assert lhs == f"{running}{op}{b}"
+            if op == "*":  # two-digit x one-digit products only
+                assert running <= 99 and 2 <= b <= 9
             running = int(c)
-            assert 1 <= running <= 99  # no negative (or zero) intermediate results, two digits
+            # no negative (or zero) intermediate results, none above the level's bound
+            assert 1 <= running <= knobs["max_value"]
         assert str(running) == ex["answer"]
         assert all(verify_steps(ex["problem"], ex["steps"]))
+
+
+def test_levels_are_mixed_evenly_and_can_be_chosen():
+    test = make_split("test", 500)
+    counts = [sum(e["level"] == lv for e in test) for lv in LEVELS]
+    assert all(70 <= c <= 130 for c in counts), counts  # uniform: 100 each in expectation
+    hard = make_split("train", 50, seed=0, levels=(5,))
+    assert {e["level"] for e in hard} == {5} and max(int(e["answer"]) for e in hard) > 99
+    assert {e["level"] for e in make_split("train", 60, seed=0, level_weights=(1, 0, 0, 0, 1))} \
+        == {1, 5}
+    with pytest.raises(ValueError):
+        make_split("train", 1, levels=(6,))
 
 
 def test_knobs():
@@ -64,7 +87,7 @@ def test_knobs():
 
 def test_reference_format_matches_design():
     ex = example_from_chain([17, 25, 3, 8], ["+", "*", "-"])
-    assert ex == {"problem": PROBLEM, "answer": "118", "steps": REFERENCE}
+    assert ex == {"problem": PROBLEM, "answer": "118", "steps": REFERENCE, "level": 3}
     assert format_solution(ex) == (
         " <think>\nStep 1: 17+25=42\nStep 2: 42*3=126\nStep 3: 126-8=118\n</think>\n\\boxed{118}"
     )
@@ -116,3 +139,53 @@ def test_splits_are_disjoint_and_held_out_sets_unique():
     assert all(split_of(p) == "test" for p in test_p)
     # The training stream of any seed avoids the held-out problems too.
     assert not test_p & set(e["problem"] for e in make_split("train", 3000, seed=7))
+
+
+def test_slip_result_hand_cases():
+    # The carry out of the units forgotten: exactly one digit (the tens) of the result changes.
+    assert slip_result(47, "+", 38) == 75  # not 85
+    assert slip_result(95, "+", 17) == 102  # not 112
+    assert slip_result(158, "+", 69) == 217  # not 227
+    assert slip_result(12, "+", 13) is None  # no carry, no slip
+    assert slip_result(95, "+", 5) is None  # 90 for 100 would change more than one digit
+    # The units borrow, but the tens are not decreased.
+    assert slip_result(52, "-", 37) == 25  # not 15
+    assert slip_result(304, "-", 58) == 256  # not 246
+    assert slip_result(23, "-", 5) == 28  # not 18
+    assert slip_result(58, "-", 23) is None
+    assert slip_result(100, "-", 1) is None  # 109 for 99: a different-looking number
+    # The carry of the units product forgotten.
+    assert slip_result(47, "*", 3) == 121  # not 141
+    assert slip_result(3, "*", 47) == 121  # either order
+    assert slip_result(21, "*", 4) is None
+    assert slip_result(26, "*", 4) is None  # 84 for 104
+    # Every slip differs from the truth in exactly one digit.
+    for a_ in range(2, 400, 7):
+        for b_ in range(2, 99, 3):
+            for op in "+-*":
+                s_ = slip_result(a_, op, b_)
+                if s_ is not None:
+                    t = str(apply_op(op, a_, b_))
+                    assert len(str(s_)) == len(t)
+                    assert sum(x != y for x, y in zip(str(s_), t)) == 1
+    assert operand_slip(38) == 83 and operand_slip(33) is None and operand_slip(30) is None
+    assert operand_slip(7) is None
+
+
+def test_flawed_solution_propagates_and_is_caught_by_the_verifier():
+    ex = example_from_chain([47, 38, 2], ["+", "-"])  # 47+38=85, 85-2=83
+    always = flawed_solution(ex, random.Random(0), lambda a, op, b: 1.0)
+    assert always["steps"] == ["47+38=75", "75-2=73"] and always["answer"] == "73"
+    assert always["slips"] == [0]
+    # The slipped step is wrong; the next step continues correctly from the written 75.
+    assert verify_steps(ex["problem"], always["steps"]) == [False, True]
+    never = flawed_solution(ex, random.Random(0), lambda a, op, b: 0.0)
+    assert never["steps"] == ex["steps"] and never["answer"] == "83" and never["slips"] == []
+    transposed = flawed_solution(ex, random.Random(0), lambda a, op, b: 0.0, operand_prob=1.0)
+    assert transposed["steps"][0] == "47+83=130" and transposed["slips"] == [0]
+    assert verify_steps(ex["problem"], transposed["steps"])[0] is False
+    # A slip rate of 0.5 slips about half of the carry steps.
+    rng = random.Random(1)
+    rate = sum(bool(flawed_solution(ex, rng, lambda a, op, b: 0.5)["slips"])
+               for _ in range(2000)) / 2000
+    assert 0.45 < rate < 0.55

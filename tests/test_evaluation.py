@@ -13,7 +13,7 @@ from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
 
 RECORD_KEYS = {
     "index", "problem", "ground_truth", "generated_text", "extracted_answer", "correct",
-    "num_tokens",
+    "num_tokens", "level",
 }  # fmt: skip
 
 
@@ -116,6 +116,42 @@ def test_prompt_fn_and_empty_input(fake_generate):
     assert summary["num_examples"] == 0 and summary["accuracy"] == 0.0
     with pytest.raises(ValueError, match=r"examples\[0\]"):
         evaluate(FakeModel(), ByteTokenizer(), [{"question": "x"}], "cpu", progress=False)
+
+
+def _record(problem, text, correct, level=None):
+    return {"problem": problem, "generated_text": text, "correct": correct, "level": level}
+
+
+def test_reasoning_stats_hand_built():
+    p = "Compute ((17+25)*3)-8"  # 17+25=42, 42*3=126, 126-8=118
+    records = [
+        # think, correct, every step right
+        _record(p, "<think>\nStep 1: 17+25=42\nStep 2: 42*3=126\nStep 3: 126-8=118\n"
+                   "</think>\n\\boxed{118}", True, 3),
+        # think, correct answer but step 2 wrong (and step 3 not continuing from it): lucky
+        _record(p, "<think>\nStep 1: 17+25=42\nStep 2: 42*3=127\nStep 3: 126-8=118\n"
+                   "</think>\n\\boxed{118}", True, 3),
+        # think, wrong: a forgotten carry in step 1, later steps continue correctly (2 of 3)
+        _record(p, "<think>\nStep 1: 17+25=32\nStep 2: 32*3=96\nStep 3: 96-8=88\n"
+                   "</think>\n\\boxed{88}", False, 3),
+        # think, skipped the last step: 2 right of 3 required
+        _record(p, "<think>\nStep 1: 17+25=42\nStep 2: 42*3=126\n</think>\n\\boxed{126}",
+                False, 3),
+        # not think format: ignored by the think figures, counted per level
+        _record("Compute 2+3", "\nStep 1: 2+3=5\nThe answer is 5.", False, 1),
+        # a problem without a step verifier (MATH): counts for think accuracy only
+        _record("What is $x$?", "<think>x</think>\\boxed{2}", True, None),
+    ]
+    stats = evaluation.reasoning_stats(records)
+    assert stats["think_accuracy"] == pytest.approx(3 / 5)
+    # steps right: 3 + 1 (step 3 does not continue from the written 127) + 2 + 2, of 4 x 3
+    assert stats["step_correctness"] == pytest.approx(8 / 12)
+    assert stats["right_answer_wrong_step"] == pytest.approx(1 / 2)
+    assert evaluation.per_level_accuracy(records) == {1: 0.0, 3: 0.5}
+    assert evaluation.step_verdicts("What is $x$?", "Step 1: 1+1=2") is None
+    empty = evaluation.reasoning_stats([_record(p, "\\boxed{118}", True)])
+    assert empty == {"think_accuracy": None, "step_correctness": None,
+                     "right_answer_wrong_step": None}
 
 
 def test_has_think_format():

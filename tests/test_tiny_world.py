@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from reasoning_from_scratch.arithmetic import STYLES, make_split
+from reasoning_from_scratch.arithmetic import STYLES, make_split, parse_steps, verify_steps
 from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
 from reasoning_from_scratch.tiny_world import (
@@ -25,7 +25,7 @@ from reasoning_from_scratch.tiny_world import (
 )
 
 BUNDLE = Path(__file__).resolve().parents[1] / "reasoning_from_scratch" / "assets" / "tiny-arith"
-BUNDLE_PARAMETERS = 834_432  # documented next to tiny_world.TINY_ARITH_ARCH
+BUNDLE_PARAMETERS = 834_816  # documented next to tiny_world.TINY_ARITH_ARCH
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +64,31 @@ def test_corpus_mix(docs):
     assert all(d["prompt"] == render_prompt(d["problem"]) for d in docs)
     assert {d["style"] for d in docs} == set(STYLES)
     dominant = {}
-    for problem in ("Compute 3+4", "Compute (3+4)*5", "Compute ((3+4)*5)-6"):
+    for problem in ("Compute 3+4", "Compute (3+4)*5", "Compute ((3+4)*5)-6",
+                    "Compute (((3+4)*5)-6)+7", "Compute ((((3+4)*5)-6)+7)-8"):
         probs = style_distribution({"problem": problem})
         assert math.isclose(sum(probs.values()), 1.0)
         assert probs["think"] > 0.2  # every problem samples the think format fairly often
-        dominant[problem.count("(")] = max(probs, key=probs.get)
-    assert dominant == {0: "direct_answer", 1: "think", 2: "steps_answer"}
+        dominant[problem.count("(") + 1] = max(probs, key=probs.get)
+    assert dominant == {1: "direct_answer", 2: "think", 3: "steps_answer", 4: "think",
+                        5: "steps_answer"}
+
+
+def test_corpus_has_flawed_solutions_more_often_at_higher_levels():
+    docs = build_corpus(1500, seed=1)
+    rate = {lv: sum(bool(d["slips"]) for d in docs if d["level"] == lv)
+            / sum(d["level"] == lv for d in docs) for lv in (1, 5)}
+    assert rate[1] < 0.15 < 0.5 < rate[5]
+    for d in docs:
+        steps = parse_steps(d["completion"])
+        if steps:  # a flawed document's first slipped step is exactly where the verifier objects
+            verdicts = verify_steps(d["problem"], steps)
+            assert (not all(verdicts)) == bool(d["slips"])
+            if d["slips"]:
+                assert verdicts.index(False) == d["slips"][0]
+    clean = build_corpus(200, seed=1, slip_prob=None, operand_slip_prob=0.0)
+    assert not any(d["slips"] for d in clean)
+    assert all(all(verify_steps(d["problem"], parse_steps(d["completion"]))) for d in clean)
 
 
 def test_collate_scores_only_completion_tokens():

@@ -231,3 +231,43 @@ def test_compute_grpo_loss_process_gives_token_advantages():
     with pytest.raises(ValueError, match="supervision"):
         compute_grpo_loss(model, tokenizer, example, "cpu", num_rollouts=2, max_new_tokens=4,
                           supervision="steps")
+
+
+def test_summary_reasoning_figures_come_from_the_verifier(tiny_dir, tmp_path, monkeypatch):
+    """summary.json's think accuracy, step correctness and per-level figures, hand-built case."""
+    from reasoning_from_scratch import evaluation
+
+    held_out = [{"problem": "Compute 17+25", "answer": "42", "level": 1},
+                {"problem": "Compute (17+25)*3", "answer": "126", "level": 2}]
+    canned = {  # evaluation call -> completion per problem
+        0: {"Compute 17+25": " The answer is 42.",  # not think format, not boxed
+            "Compute (17+25)*3": " <think>\nStep 1: 17+25=32\nStep 2: 32*3=96\n</think>\n"
+                                 "\\boxed{96}"},  # a forgotten carry: step 1 wrong, step 2 right
+        1: {"Compute 17+25": " <think>\nStep 1: 17+25=42\n</think>\n\\boxed{42}",
+            "Compute (17+25)*3": " <think>\nStep 1: 17+25=42\nStep 2: 42*3=126\n</think>\n"
+                                 "\\boxed{126}"},
+    }
+    calls = []
+
+    def fake(model, tokenizer, prompts, device, max_new_tokens, temperature=0.0, top_p=1.0,
+             generator=None):
+        texts = [canned[len(calls)][q] for p in prompts for q in canned[0] if q in p]
+        calls.append(1)
+        mask = torch.ones(len(texts), 3, dtype=torch.bool)
+        return texts, torch.zeros(len(texts), 3, dtype=torch.long), mask
+
+    monkeypatch.setattr(evaluation, "generate_batch", fake)
+    config = _config(tmp_path, steps=1, eval_every=0, inner_epochs=1, beta=0.0)
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    summary = train_grpo(model, tok, TRAIN, held_out, "cpu", config)
+    assert len(calls) == 2  # base and final evaluation
+    assert summary["base_accuracy"] == 0.0 and summary["final_accuracy"] == 1.0
+    assert summary["base_think_accuracy"] == 0.0 and summary["final_think_accuracy"] == 1.0
+    assert summary["base_step_correctness"] == pytest.approx(1 / 2)
+    assert summary["final_step_correctness"] == 1.0
+    assert summary["per_level"] == {"1": {"base": 0.0, "final": 1.0},
+                                    "2": {"base": 0.0, "final": 1.0}}
+    saved = json.loads((Path(config.output_dir) / "summary.json").read_text())
+    assert saved == summary
+    last = read_metrics(Path(config.output_dir) / "metrics.csv")[-1]
+    assert last["eval_step_correctness"] == 1.0 and last["eval_think_accuracy"] == 1.0

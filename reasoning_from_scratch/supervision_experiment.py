@@ -1,0 +1,611 @@
+"""The chapter 8 experiment: outcome vs process supervision in GRPO, at equal steps and tokens.
+
+Trains the same base model with the same GRPO settings (GRPOConfig, the chapter 7 defaults unless
+flags change them) for the same number of optimizer steps several ways ("arms", `ARMS`), several
+seeds each:
+
+- outcome: one reward per completion (chapter 7).
+- verifier: process supervision with step rewards from the exact arithmetic verifier and
+  DeepSeekMath process advantages (arXiv 2402.03300, section 4.1.3; --process-variant).
+- mc: process supervision with Math-Shepherd Monte-Carlo step values (arXiv 2312.08935):
+  --mc-rollouts continuations of the current policy from every step prefix. Costs extra
+  generated tokens, which are counted.
+- prm: process supervision with step rewards from a learned process reward model (step scorer
+  prm:PATH). --prm PATH uses a saved PRM (chapters/ch08_train_prm.py); without it one is trained
+  once from the base model's own completions with verifier labels
+  (`prm.train_prm_on_arithmetic`, sized by the --prm-* flags) and cached in <output-dir>/prm/.
+- verifier+outcome (and mc+outcome, not run by default): the verifier's (MC's) step advantages
+  plus the outcome advantage on every token (`process_advantages(variant="process+outcome")`).
+
+The process arms keep the groups whose outcome rewards are all equal (the trainer's
+`skip_zero_advantage` looks at outcome rewards only, and such groups can still differ step by
+step; --process-skip-zero-advantage restores the skipping). What each reward contains: the outcome
+reward is correctness + format bonus; the verifier's step rewards check the arithmetic and (last
+step) the boxed answer, without the format bonus; the PRM estimates the verifier's labels.
+
+Every run saves checkpoints at --eval-points evenly spaced steps, each evaluated greedily on the
+held-out split with `evaluation.evaluate`: strict (boxed) accuracy, step correctness (fraction of
+verifier-correct steps over think-format answers, a missing step counted as wrong), right answer
+with a wrong step (among correct think-format answers), accuracy among think-format answers and
+format rate. Each checkpoint also records its training seconds (rollouts, step scoring and
+updates; evaluation excluded) and cumulative generated tokens: rollout tokens plus the step
+scorer's own (MC continuations), from the `gen_tokens` and `scorer_tokens` columns of the run's
+metrics.csv.
+
+`run_experiment` writes into --output-dir: one run directory per arm and seed (<arm>-seed<seed>/,
+with the trainer's files and curve.json), results.json, results.md (`write_table`) and
+process_vs_outcome.png (`plot_process_vs_outcome`: accuracy and step correctness against training
+step and against cumulative generated tokens, mean +- sd over seeds). The table has one row per
+arm (`summarise`), means +- sd over seeds:
+- final accuracy, step correctness, right answer + wrong step, think accuracy: at the last step;
+- tokens (k): generated tokens per run, rollouts + step scorer (the one-off cost of training the
+  PRM is reported under the table, not included);
+- train s: training seconds per run;
+- steps to outcome's acc.: the first evaluated step whose accuracy reaches the outcome runs' mean
+  final accuracy (mean over the runs that reach it, with their count): equal-steps comparison;
+- acc. at outcome's tokens: the accuracy of each run's last evaluated checkpoint whose cumulative
+  generated tokens are at most the outcome runs' mean total: equal-generated-tokens comparison
+  (the final accuracy for arms that never exceed that budget).
+
+Resumable: a finished run (curve.json) is reused if it was run with the same settings, an
+interrupted one continues from its last checkpoint; `args.report_only` trains nothing and only
+tabulates and plots the finished runs. The flags (`args`) are those of
+chapters/ch08_process_vs_outcome.py, the command line of this module.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from .device import get_device
+from .evaluation import evaluate
+from .prm import train_prm_on_arithmetic
+from .training import GRPOConfig, find_checkpoint, load_grpo_data, read_metrics, train_grpo
+from .weights import atomic_write_json, load_pretrained
+
+# arm -> (step scorer spec, process variant; None = --process-variant); "prm" gets its path later
+ARMS = {
+    "outcome": (None, None), "verifier": ("verifier", None), "mc": ("mc", None),
+    "prm": ("prm", None), "verifier+outcome": ("verifier", "process+outcome"),
+    "mc+outcome": ("mc", "process+outcome"),
+}
+DEFAULT_ARMS = "outcome,verifier,mc,prm,verifier+outcome"
+LABELS = {
+    "outcome": "outcome", "verifier": "process (verifier)", "mc": "process (MC)",
+    "prm": "process (learned PRM)", "verifier+outcome": "process (verifier) + outcome",
+    "mc+outcome": "process (MC) + outcome",
+}
+COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm": "tab:orange",
+          "verifier+outcome": "tab:olive", "mc+outcome": "tab:purple"}
+# Held-out figures of every evaluated checkpoint (keys of evaluate()'s summary; may be None).
+METRICS = ("accuracy", "step_correctness", "right_answer_wrong_step", "think_accuracy",
+           "format_rate")
+# GRPOConfig fields the experiment sets for every run; their flags must stay at the default.
+PER_RUN = {"seed": "--seeds sets each run's seed", "supervision": "each arm sets it",
+           "step_scorer": "each arm sets it", "eval_every": "see --eval-points",
+           "checkpoint_every": "see --eval-points"}
+# Fields that do not change what a run learns or how it is scored (ignored when reusing runs).
+COSMETIC = ("output_dir", "progress", "eval_batch_size", "sample_every")
+PROCESS_FIELDS = ("step_scorer", "process_variant", "step_split", "mc_rollouts")
+
+
+# ----------------------------------------------------------------------------------------------
+# Runs
+# ----------------------------------------------------------------------------------------------
+
+
+def evaluate_model(model, tokenizer, examples, device, config):
+    """Greedy held-out figures (METRICS and per-level accuracy) from `evaluation.evaluate`."""
+    res = evaluate(model, tokenizer, examples[:config.eval_examples], device,
+                   max_new_tokens=config.eval_max_new_tokens or config.max_new_tokens,
+                   batch_size=config.eval_batch_size, progress=False)
+    return {**{k: res[k] for k in METRICS},
+            "per_level": {str(k): v for k, v in res["per_level"].items()}}
+
+
+def run_config(arm, seed, values, args, prm_path, run_dir):
+    """The GRPOConfig of one run: the shared values plus the arm's supervision."""
+    spec, variant = ARMS[arm]
+    d = {**values, "seed": seed, "output_dir": str(run_dir), "eval_every": 0,
+         "checkpoint_every": max(1, values["steps"] // args.eval_points)}
+    if spec is None:
+        d["supervision"] = "outcome"
+    else:
+        d.update(supervision="process",
+                 step_scorer=f"prm:{prm_path}" if spec == "prm" else spec,
+                 process_variant=variant or values["process_variant"],
+                 skip_zero_advantage=args.process_skip_zero_advantage)
+    return GRPOConfig.from_dict(d)
+
+
+def run_settings(config, args, prm_report=None):
+    """What decides a run's result: reuse a finished run only if these match."""
+    s = {k: v for k, v in asdict(config).items() if k not in COSMETIC}
+    if config.supervision == "outcome":
+        for k in PROCESS_FIELDS:
+            s.pop(k)
+    elif not config.step_scorer.startswith("mc"):
+        s.pop("mc_rollouts")
+    s.update(model=args.model, eval_split=args.eval_split, train_examples=args.train_examples)
+    if config.step_scorer.startswith("prm:") and config.supervision == "process":
+        s["prm_settings"] = (prm_report or {}).get("settings")
+    return json.loads(json.dumps(s))  # as it reads back from JSON
+
+
+def _diff(a, b):
+    """The keys whose values differ, as "key: old -> new" (for error messages)."""
+    keys = sorted(set(a) | set(b), key=str)
+    return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k))
+
+
+def load_curve(run_dir):
+    """A finished run's curve.json, or None (none yet, or the old list format)."""
+    path = Path(run_dir) / "curve.json"
+    if not path.is_file():
+        return None
+    curve = json.loads(path.read_text())
+    if not isinstance(curve, dict) or "points" not in curve:
+        print(f"{path}: written by an older version of this experiment; ignored")
+        return None
+    return curve
+
+
+def cumulative_costs(metrics_csv):
+    """step -> (training seconds, rollout tokens, step-scorer tokens), summed up to that step.
+
+    Seconds are the trainer's step_time (rollouts + scoring + updates, no evaluation); tokens are
+    NaN if the run's metrics.csv has no gen_tokens / scorer_tokens columns.
+    """
+    out, secs, gen, scorer = {0: (0.0, 0.0, 0.0)}, 0.0, 0.0, 0.0
+    for r in read_metrics(metrics_csv):
+        secs += r.get("step_time") or 0.0
+        gen += math.nan if r.get("gen_tokens") is None else r["gen_tokens"]
+        scorer += math.nan if r.get("scorer_tokens") is None else r["scorer_tokens"]
+        out[int(r["step"])] = (secs, gen, scorer)
+    return out
+
+
+def make_point(step, costs, figures):
+    """One evaluated checkpoint: step, seconds, cumulative tokens and the held-out figures."""
+    secs, gen, scorer = costs.get(step, (math.nan,) * 3)
+    return {"step": step, "seconds": secs, "gen_tokens": gen, "scorer_tokens": scorer,
+            "tokens": gen + scorer, **figures}
+
+
+def checkpoint_points(run_dir, config, tokenizer, held_out, device, summary):
+    """The points of a trained run: its checkpoints evaluated, then deleted (final/ stays).
+
+    Evaluations are cached in evals.json, so an interrupted evaluation resumes; the final
+    figures come from the trainer's summary.
+    """
+    costs = cumulative_costs(run_dir / "metrics.csv")
+    cache_file = run_dir / "evals.json"
+    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    points, every = [], config.checkpoint_every
+    for step in range(every, config.steps, every):
+        if str(step) not in cache:
+            model, _ = load_pretrained(run_dir / f"checkpoint-{step}", device=device,
+                                       dtype=torch.float32)
+            cache[str(step)] = evaluate_model(model, tokenizer, held_out, device, config)
+            atomic_write_json(cache_file, cache)
+        points.append(make_point(step, costs, cache[str(step)]))
+    final = {k: summary[f"final_{k}"] for k in METRICS}
+    final["per_level"] = {lv: v["final"] for lv, v in summary.get("per_level", {}).items()}
+    points.append(make_point(config.steps, costs, final))
+    for ckpt in run_dir.glob("checkpoint-*"):
+        shutil.rmtree(ckpt)  # keep the disk small
+    return points
+
+
+def run_one(config, settings, base_model, tokenizer, train, held_out, device):
+    """Train and evaluate one run, or reuse / resume it; returns its curve dict."""
+    run_dir = Path(config.output_dir)
+    done = load_curve(run_dir)
+    if done is not None:
+        if done.get("settings") != settings:
+            changed = _diff(done.get("settings") or {}, settings)
+            raise SystemExit(f"{run_dir} was run with other settings ({changed}); use another "
+                             "--output-dir, or delete that run directory to rerun it")
+        return done
+    resume = None
+    settings_file = run_dir / "settings.json"
+    if run_dir.exists():
+        try:
+            same = json.loads(settings_file.read_text()) == settings
+            resume = find_checkpoint(run_dir) if same else None
+        except (FileNotFoundError, json.JSONDecodeError):
+            resume = None
+        if resume is None:
+            shutil.rmtree(run_dir)
+        else:
+            print(f"{run_dir}: resuming from {resume}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(settings_file, settings)
+    model = copy.deepcopy(base_model)
+    summary = train_grpo(model, tokenizer, train, held_out, device, config, resume_from=resume)
+    del model
+    points = checkpoint_points(run_dir, config, tokenizer, held_out, device, summary)
+    curve = {"settings": settings, "summary": summary, "points": points}
+    atomic_write_json(run_dir / "curve.json", _jsonable(curve))
+    return json.loads(json.dumps(_jsonable(curve)))
+
+
+def base_figures(base_model, tokenizer, held_out, device, config, args, out):
+    """Held-out figures of the base model (step 0 of every curve), cached in base.json."""
+    settings = {"model": args.model, "eval_split": args.eval_split,
+                "eval_examples": config.eval_examples,
+                "max_new_tokens": config.eval_max_new_tokens or config.max_new_tokens}
+    path = out / "base.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("settings") == settings:
+            return saved["figures"]
+    figures = evaluate_model(base_model, tokenizer, held_out, device, config)
+    atomic_write_json(path, {"settings": settings, "figures": _jsonable(figures)})
+    return figures
+
+
+def _prm_settings_differ(a, b):
+    """Whether two PRM settings differ (mc_rollouts counts only with Monte-Carlo labels)."""
+    drop = () if a.get("labels") == "mc" or b.get("labels") == "mc" else ("mc_rollouts",)
+    return {k: v for k, v in a.items() if k not in drop} != {
+        k: v for k, v in b.items() if k not in drop}
+
+
+def prepare_prm(args, config, base_model, tokenizer, device, out):
+    """(path, report) of the prm arm's PRM: --prm, or one trained from the base model once.
+
+    The trained one is cached in <output-dir>/prm/; the report (prm_report.json) is None if
+    there is none.
+    """
+    def report_of(path):
+        """The PRM's prm_report.json, or None."""
+        f = Path(path) / "prm_report.json"
+        return json.loads(f.read_text()) if f.is_file() else None
+
+    if args.prm:
+        path = Path(args.prm)
+        if not (path / "prm_config.json").is_file():
+            raise SystemExit(f"--prm {path}: no PRM there (prm_config.json, see ch08_train_prm.py)")
+        return path, report_of(path)
+    path = out / "prm"
+    settings = dict(labels=args.prm_labels, train_problems=args.prm_train_problems,
+                    eval_problems=args.prm_eval_problems, samples=args.prm_samples,
+                    max_new_tokens=args.prm_max_new_tokens or config.max_new_tokens,
+                    temperature=config.temperature, mc_rollouts=config.mc_rollouts,
+                    epochs=args.prm_epochs, lr=args.prm_lr, batch_size=args.prm_batch_size,
+                    seed=0)
+    report = report_of(path)
+    if args.report_only or ((path / "prm_config.json").is_file() and report is not None
+                            and not _prm_settings_differ(report.get("settings", {}), settings)):
+        if report is not None:
+            print(f"PRM: reusing {path}")
+        return path, report
+    if report is not None:
+        print(f"PRM: {path} was trained with other settings "
+              f"({_diff(report.get('settings', {}), settings)}); training it again")
+    shutil.rmtree(path, ignore_errors=True)
+    print(f"PRM: training one from {args.model} into {path}")
+    report = train_prm_on_arithmetic(base_model, tokenizer, path, device=device,
+                                     info={"model": args.model}, **settings)
+    return path, json.loads(json.dumps(report))
+
+
+# ----------------------------------------------------------------------------------------------
+# Summary: table and figure
+# ----------------------------------------------------------------------------------------------
+
+
+def _finite(xs):
+    """The values as floats, without None and NaN."""
+    return [float(x) for x in xs if x is not None and not math.isnan(float(x))]
+
+
+def mean_std(xs):
+    """(mean, sample sd) of the values that are not None / NaN; (nan, nan) if none are."""
+    xs = _finite(xs)
+    if not xs:
+        return math.nan, math.nan
+    m = sum(xs) / len(xs)
+    s = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return m, s
+
+
+def stat(xs):
+    """{"mean", "sd"} of `mean_std(xs)`: the table's cells, as results.json holds them."""
+    m, s = mean_std(xs)
+    return {"mean": m, "sd": s}
+
+
+def first_reaching(points, target):
+    """Step of the first point whose accuracy is >= target, or None."""
+    for p in points:
+        if p["accuracy"] is not None and p["accuracy"] >= target - 1e-9:
+            return p["step"]
+    return None
+
+
+def last_within(points, budget):
+    """The last point whose cumulative tokens are <= budget (points are in step order)."""
+    inside = [p for p in points if p["tokens"] is not None and p["tokens"] <= budget + 1e-9]
+    return inside[-1] if inside else None
+
+
+def summarise(curves, base):
+    """Per-arm rows of the table, plus the outcome runs' target accuracy and token budget.
+
+    `curves`: {arm: {seed: [point, ...]}}, points in step order without the base model (step 0),
+    whose figures are `base`. Figures are {"mean", "sd"} over seeds (NaN when no run has one).
+    """
+    start = {"step": 0, "seconds": 0.0, "gen_tokens": 0.0, "scorer_tokens": 0.0, "tokens": 0.0,
+             **base}
+    finals = {arm: [pts[-1] for pts in runs.values()] for arm, runs in curves.items()}
+    target = budget = None
+    if finals.get("outcome"):
+        target = mean_std([p["accuracy"] for p in finals["outcome"]])[0]
+        budget = mean_std([p["tokens"] for p in finals["outcome"]])[0]
+        target = None if math.isnan(target) else target
+        budget = None if math.isnan(budget) else budget
+    rows = []
+    for arm, runs in curves.items():
+        last = finals[arm]
+        row = {"arm": arm, "label": LABELS[arm], "seeds": sorted(runs),
+               **{f"final_{k}": stat([p[k] for p in last]) for k in METRICS},
+               "tokens": stat([p["tokens"] for p in last]),
+               "scorer_tokens": stat([p["scorer_tokens"] for p in last]),
+               "train_seconds": stat([p["seconds"] for p in last]),
+               "steps": max(p["step"] for p in last)}
+        if target is not None:
+            row["steps_to_target"] = [first_reaching([start, *pts], target)
+                                      for pts in runs.values()]
+        if budget is not None:
+            # The outcome arm defines the budget: its own row is its final accuracy.
+            chosen = last if arm == "outcome" else [last_within([start, *pts], budget)
+                                                    for pts in runs.values()]
+            chosen = [p for p in chosen if p is not None]
+            row["accuracy_at_budget"] = stat([p["accuracy"] for p in chosen])
+            row["step_at_budget"] = stat([p["step"] for p in chosen])
+        rows.append(row)
+    return {"target": target, "token_budget": budget, "rows": rows}
+
+
+def _pm(st, digits=3):
+    """A table cell "mean ± sd" ("n/a" without a mean)."""
+    m, s = st["mean"], st["sd"]
+    return "n/a" if math.isnan(m) else f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def _fmt_reach(values):
+    """The steps-to-target cell: mean step of the runs that reach it, and their count."""
+    reached = [v for v in values if v is not None]
+    if not reached:
+        return f"not reached (0/{len(values)})"
+    return f"{sum(reached) / len(reached):.0f} ({len(reached)}/{len(values)} runs)"
+
+
+def _k(n):
+    """Thousands, with a decimal below 10k."""
+    return f"{n / 1000:.1f}" if n < 10_000 else f"{n / 1000:.0f}"
+
+
+def _fmt_tokens(row):
+    """The tokens cell: k tokens per run, with the step scorer's share when it has one."""
+    total, scorer = row["tokens"]["mean"], row["scorer_tokens"]["mean"]
+    if math.isnan(total):
+        return "n/a"
+    return _k(total) + (f" (scorer {_k(scorer)})" if scorer and not math.isnan(scorer) else "")
+
+
+def _opt(v):
+    """A figure with 3 decimals, or "n/a" for None / NaN."""
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"
+
+
+def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
+    """results.md: the table for the README, with the definitions under it."""
+    rows, target, budget = summary["rows"], summary["target"], summary["token_budget"]
+    lines = [
+        "| supervision | seeds | final accuracy | step correctness | right answer, wrong step | "
+        "think accuracy | tokens (k) | train s | steps to outcome's acc. | "
+        "acc. at outcome's tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        at_budget = "n/a"
+        if "accuracy_at_budget" in r and not math.isnan(r["accuracy_at_budget"]["mean"]):
+            at_budget = (f"{_pm(r['accuracy_at_budget'])} "
+                         f"(step {r['step_at_budget']['mean']:.0f})")
+        t = r["train_seconds"]["mean"]
+        lines.append(
+            f"| {r['label']} | {len(r['seeds'])} | {_pm(r['final_accuracy'])} | "
+            f"{_pm(r['final_step_correctness'])} | {_pm(r['final_right_answer_wrong_step'])} | "
+            f"{_pm(r['final_think_accuracy'])} | {_fmt_tokens(r)} | "
+            f"{'n/a' if math.isnan(t) else f'{t:.0f}'} | "
+            f"{_fmt_reach(r.get('steps_to_target', [])) if target is not None else 'n/a'} | "
+            f"{at_budget} |")
+    lines += [
+        "",
+        f"Base model ({held_out_name}): accuracy {_opt(base['accuracy'])}, step correctness "
+        f"{_opt(base['step_correctness'])}, right answer with a wrong step "
+        f"{_opt(base['right_answer_wrong_step'])}, think accuracy {_opt(base['think_accuracy'])}.",
+        "Mean ± sd over seeds, at the last step. Step correctness: fraction of verifier-correct "
+        "steps (a missing step counts as wrong) over think-format answers; right answer, wrong "
+        "step: among correct think-format answers; think accuracy: accuracy among think-format "
+        "answers. Tokens: generated per run, rollouts + step scorer (scorer = Monte-Carlo "
+        "continuations; the verifier and the PRM generate nothing). Train s: rollouts, scoring "
+        "and updates, evaluation excluded.",
+    ]
+    if target is not None:
+        lines.append(f"Steps to outcome's acc.: first evaluated step (0 = base model) reaching "
+                     f"the outcome runs' mean final accuracy {target:.3f}; mean over the runs "
+                     "that reach it.")
+    if budget is not None:
+        lines.append(f"Acc. at outcome's tokens: accuracy of each run's last evaluated "
+                     f"checkpoint with at most the outcome runs' mean total of "
+                     f"{_k(budget)}k generated tokens (mean step of that checkpoint in "
+                     "brackets): the equal-generated-tokens comparison.")
+    if prm_report is not None and any(r["arm"] == "prm" for r in rows):
+        h = prm_report.get("held_out", {})
+        extra = prm_report.get("sampled_tokens", 0) + prm_report.get("mc_generated_tokens", 0)
+        lines.append(
+            f"Learned PRM ({prm_report.get('output_dir', '?')}): trained once before the runs on "
+            f"{prm_report.get('train_steps', '?')} labelled steps "
+            f"({(prm_report.get('settings') or {}).get('labels', '?')} labels), "
+            f"{_k(extra)}k generated tokens for its data and "
+            f"{prm_report.get('data_seconds', 0) + prm_report.get('train_seconds', 0):.0f} s, "
+            "not included above; held-out step accuracy "
+            f"{_opt(h.get('accuracy'))} (majority baseline {_opt(h.get('majority_accuracy'))}).")
+    text = "\n".join(lines) + "\n"
+    Path(path).write_text(text)
+    return text
+
+
+def aggregate(runs, key):
+    """Per step over the seeds of one arm: (steps, mean tokens, mean, sd) of `key`.
+
+    The points without a value (None / NaN) are left out.
+    """
+    steps = sorted({p["step"] for pts in runs for p in pts})
+    xs, toks, ms, ss = [], [], [], []
+    for step in steps:
+        at = [p for pts in runs for p in pts if p["step"] == step]
+        m, s = mean_std([p.get(key) for p in at])
+        if math.isnan(m):
+            continue
+        xs.append(step)
+        toks.append(mean_std([p["tokens"] for p in at])[0])
+        ms.append(m)
+        ss.append(s)
+    return xs, toks, ms, ss
+
+
+def plot_process_vs_outcome(curves, base, path, token_budget=None):
+    """2x2 figure: accuracy / step correctness against training step and generated tokens."""
+    start = {"step": 0, "tokens": 0.0, **base}
+    fig = Figure(figsize=(12, 8.5))
+    FigureCanvasAgg(fig)  # drawn without pyplot: leaves a notebook's backend alone
+    axes = fig.subplots(2, 2)
+    n_seeds = max((len(runs) for runs in curves.values()), default=0)
+    for arm, runs in curves.items():
+        pts = [[start, *p] for p in runs.values()]
+        for row, key in ((0, "accuracy"), (1, "step_correctness")):
+            steps, toks, m, s = aggregate(pts, key)
+            for col, x in ((0, steps), (1, [t / 1000 for t in toks])):
+                keep = [i for i, v in enumerate(x) if not math.isnan(v)]
+                xk = [x[i] for i in keep]
+                lo = [m[i] - s[i] for i in keep]
+                hi = [m[i] + s[i] for i in keep]
+                ax = axes[row, col]
+                ax.plot(xk, [m[i] for i in keep], marker="o", ms=4, color=COLORS.get(arm),
+                        label=LABELS[arm])
+                ax.fill_between(xk, lo, hi, color=COLORS.get(arm), alpha=0.15, linewidth=0)
+    for row, name in ((0, "held-out strict accuracy"), (1, "held-out step correctness")):
+        for col, xlabel in ((0, "training step"), (1, "generated tokens (k): rollouts + scorer")):
+            ax = axes[row, col]
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(name)
+            ax.grid(alpha=0.3)
+            if col == 1 and token_budget is not None:
+                ax.axvline(token_budget / 1000, color="tab:blue", ls=":", lw=1)
+    if token_budget is not None:
+        axes[0, 1].text(token_budget / 1000, 0.02, " outcome's tokens", color="tab:blue",
+                        transform=axes[0, 1].get_xaxis_transform(), fontsize=8)
+    axes[0, 0].legend(fontsize=9)
+    fig.suptitle("GRPO on the tiny arithmetic world: outcome vs process supervision "
+                 f"(mean ± sd over {n_seeds} seed{'s' if n_seeds != 1 else ''})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+
+
+def _jsonable(obj):
+    """NaN -> None and tuples -> lists, recursively (results.json stays strict JSON)."""
+    if isinstance(obj, float):
+        return None if math.isnan(obj) else obj
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole experiment
+# ----------------------------------------------------------------------------------------------
+
+
+def run_experiment(args, arms, seeds):
+    """Run (or reuse) every arm x seed, then write results.md, results.json and the figure.
+
+    `args`: the flags of chapters/ch08_process_vs_outcome.py (an argparse.Namespace: model,
+    eval_points, eval_split, train_examples, process_skip_zero_advantage, report_only, output_dir,
+    device, prm, the prm_* settings and every GRPOConfig field); `arms`: names from `ARMS`;
+    `seeds`: ints. Returns `summarise`'s summary.
+    """
+    values = {f.name: getattr(args, f.name) for f in fields(GRPOConfig) if f.name != "output_dir"}
+    config = GRPOConfig.from_dict(values)  # checks the values
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = get_device(args.device)
+    base_model, tokenizer = load_pretrained(args.model, device=device, dtype=torch.float32)
+    train, held_out = load_grpo_data("arith", args.train_examples, args.eval_split,
+                                     config.eval_examples)
+    base = base_figures(base_model, tokenizer, held_out, device, config, args, out)
+    print("base model: " + ", ".join(f"{k} {_opt(base[k])}" for k in METRICS))
+    prm_path = prm_report = None
+    if "prm" in arms:
+        prm_path, prm_report = prepare_prm(args, config, base_model, tokenizer, device, out)
+    curves = run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokenizer,
+                      train, held_out, device)
+    if not curves:
+        raise SystemExit(f"no finished runs in {out}")
+    return write_results(curves, base, out, prm_report, args,
+                         f"{args.eval_split} split, {len(held_out)} problems")
+
+
+def run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokenizer, train,
+             held_out, device):
+    """{arm: {seed: points}} of the finished runs, training the missing ones (not report_only)."""
+    out = Path(args.output_dir)
+    curves = {arm: {} for arm in arms}
+    for seed in seeds:  # seeds outer: a stopped experiment still has every arm for some seeds
+        for arm in arms:
+            run_dir = out / f"{arm}-seed{seed}"
+            t0 = time.time()
+            if args.report_only:
+                curve = load_curve(run_dir)
+                if curve is None:
+                    continue
+            else:
+                cfg = run_config(arm, seed, values, args, prm_path, run_dir)
+                settings = run_settings(cfg, args, prm_report)
+                curve = run_one(cfg, settings, base_model, tokenizer, train, held_out, device)
+            curves[arm][seed] = curve["points"]
+            last = curve["points"][-1]
+            tokens = "n/a" if last["tokens"] is None else f"{_k(last['tokens'])}k"
+            print(f"{arm} seed {seed}: accuracy {_opt(last['accuracy'])}, step correctness "
+                  f"{_opt(last['step_correctness'])}, {tokens} generated tokens, train "
+                  f"{last['seconds'] or 0:.0f}s ({time.time() - t0:.0f}s in this call)")
+    return {arm: runs for arm, runs in curves.items() if runs}
+
+
+def write_results(curves, base, out, prm_report, args, held_out_name):
+    """Summarise the curves into results.md, process_vs_outcome.png and results.json in `out`."""
+    summary = summarise(curves, base)
+    table = write_table(summary, base, out / "results.md", prm_report, held_out_name)
+    plot_process_vs_outcome(curves, base, out / "process_vs_outcome.png",
+                            summary["token_budget"])
+    atomic_write_json(out / "results.json", _jsonable({
+        "base": base, **summary, "curves": curves, "prm": prm_report, "args": vars(args)}))
+    print(table)
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'process_vs_outcome.png'}")
+    return summary
