@@ -338,6 +338,36 @@ def slip_result(a: int, op: str, b: int) -> int | None:
     return slip if differing == 1 else None
 
 
+def is_large_step(a: int, op: str, b: int) -> bool:
+    """Whether step `a op b` involves a three-digit number (an operand or the result)."""
+    return max(a, b, apply_op(op, a, b)) >= 100
+
+
+def classify_carry_steps(problem: str, step_texts: list[str]) -> list[str]:
+    """What a solution wrote at each three-digit step that has a slip (`slip_result`): "correct",
+    "slip" (exactly the forgotten carry) or "other" (another wrong result).
+
+    Only steps whose operands are the right ones (the running value as written, the problem's
+    next number) are classified, so a step is judged on its own arithmetic.
+    """
+    numbers, ops = parse_problem(problem)
+    kinds, running = [], numbers[0]
+    for k, text in enumerate(step_texts[: len(ops)]):
+        m = _STEP_RE.match(_STEP_PREFIX_RE.sub("", text))
+        if m is None:
+            break
+        a, op, b, c = int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))
+        expected = (running, numbers[k + 1])
+        operands_ok = (a, b) == expected or (op != "-" and (b, a) == expected)
+        if op == ops[k] and operands_ok and is_large_step(a, op, b):
+            slip = slip_result(a, op, b)
+            if slip is not None:
+                kinds.append("correct" if c == apply_op(op, a, b) else
+                             "slip" if c == slip else "other")
+        running = c
+    return kinds
+
+
 def operand_slip(b: int) -> int | None:
     """A copying slip: the operand's two digits transposed (38 -> 83); None if it reads the same."""
     text = str(b)

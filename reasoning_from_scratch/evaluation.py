@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .arithmetic import parse_problem, parse_steps, verify_steps
+from .arithmetic import classify_carry_steps, parse_problem, parse_steps, verify_steps
 from .generation import generate_batch
 from .grading import extract_final_candidate, grade_answer
 from .prompts import render_prompt
@@ -65,17 +65,22 @@ def reasoning_stats(records):
     """How well the think-format answers reason, judged by the exact step verifier.
 
     Returns think_accuracy (accuracy among think-format answers), step_correctness (fraction of
-    verifier-correct steps over think-format answers of arithmetic problems) and
+    verifier-correct steps over think-format answers of arithmetic problems),
     right_answer_wrong_step (among correct think-format answers, the fraction with a wrong or
-    missing step). A figure is None when nothing counts towards it.
+    missing step) and carry_step_correctness (over the three-digit steps of think-format answers
+    that have a carry to forget, the fraction written correctly; see
+    `arithmetic.classify_carry_steps`). A figure is None when nothing counts towards it. Unlike
+    the first three, the last does not change with the mix of levels that use the think format.
     """
     think = [r for r in records if has_think_format(r["generated_text"])]
     good = total = lucky = correct = 0
+    carry_kinds = []
     for r in think:
         verdicts = step_verdicts(r["problem"], r["generated_text"])
         if verdicts is None:
             continue
         good, total = good + sum(verdicts), total + len(verdicts)
+        carry_kinds += classify_carry_steps(r["problem"], parse_steps(r["generated_text"]))
         if r["correct"]:
             correct += 1
             lucky += not all(verdicts)
@@ -83,6 +88,8 @@ def reasoning_stats(records):
         "think_accuracy": sum(r["correct"] for r in think) / len(think) if think else None,
         "step_correctness": good / total if total else None,
         "right_answer_wrong_step": lucky / correct if correct else None,
+        "carry_step_correctness": (carry_kinds.count("correct") / len(carry_kinds)
+                                   if carry_kinds else None),
     }
 
 

@@ -136,7 +136,8 @@ def run_settings(config, args, prm_report=None):
             s.pop(k)
     elif not config.step_scorer.startswith("mc"):
         s.pop("mc_rollouts")
-    s.update(model=args.model, eval_split=args.eval_split, train_examples=args.train_examples)
+    s.update(model=args.model, eval_split=args.eval_split, train_examples=args.train_examples,
+             train_level_weights=getattr(args, "train_level_weights", None))
     if config.step_scorer.startswith("prm:") and config.supervision == "process":
         s["prm_settings"] = (prm_report or {}).get("settings")
     return json.loads(json.dumps(s))  # as it reads back from JSON
@@ -558,7 +559,8 @@ def run_experiment(args, arms, seeds):
     device = get_device(args.device)
     base_model, tokenizer = load_pretrained(args.model, device=device, dtype=torch.float32)
     train, held_out = load_grpo_data("arith", args.train_examples, args.eval_split,
-                                     config.eval_examples)
+                                     config.eval_examples,
+                                     getattr(args, "train_level_weights", None))
     base = base_figures(base_model, tokenizer, held_out, device, config, args, out)
     print("base model: " + ", ".join(f"{k} {_opt(base[k])}" for k in METRICS))
     prm_path = prm_report = None

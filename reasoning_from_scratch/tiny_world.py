@@ -36,10 +36,10 @@ from tqdm import tqdm
 
 from .arithmetic import (
     STYLES,
-    apply_op,
     classify_completion,
     flawed_solution,
     format_solution,
+    is_large_step,
     make_split,
     parse_problem,
 )
@@ -79,11 +79,6 @@ SLIP_PROB_SMALL = 0.15  # carries of a step whose numbers all stay below 100
 SLIP_PROB_LARGE = 0.6  # carries of a step with a three-digit number (operand or result)
 OPERAND_SLIP_PROB = 0.04  # a two-digit operand copied with its digits transposed
 CORPUS_LEVEL_WEIGHTS = (1, 1, 1, 1, 1)  # level mix of the pretraining corpus (levels 1-5)
-
-
-def is_large_step(a: int, op: str, b: int) -> bool:
-    """Whether step `a op b` involves a three-digit number (an operand or the result)."""
-    return max(a, b, apply_op(op, a, b)) >= 100
 
 
 def make_slip_prob(small: float = SLIP_PROB_SMALL, large: float = SLIP_PROB_LARGE):

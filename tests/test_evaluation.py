@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from reasoning_from_scratch import evaluation
+from reasoning_from_scratch.arithmetic import classify_carry_steps
 from reasoning_from_scratch.evaluation import evaluate, has_think_format
 from reasoning_from_scratch.generation import generate_batch
 from reasoning_from_scratch.prompts import render_prompt, render_prompt_with_think_tokens
@@ -149,9 +150,25 @@ def test_reasoning_stats_hand_built():
     assert stats["right_answer_wrong_step"] == pytest.approx(1 / 2)
     assert evaluation.per_level_accuracy(records) == {1: 0.0, 3: 0.5}
     assert evaluation.step_verdicts("What is $x$?", "Step 1: 1+1=2") is None
+    # three-digit steps with a carry to forget: only 126-8 (a units borrow) of the first record;
+    # 42*3 has no carry, the second record's 126-8 does not continue from its written 127
+    assert stats["carry_step_correctness"] == 1.0
     empty = evaluation.reasoning_stats([_record(p, "\\boxed{118}", True)])
     assert empty == {"think_accuracy": None, "step_correctness": None,
-                     "right_answer_wrong_step": None}
+                     "right_answer_wrong_step": None, "carry_step_correctness": None}
+
+
+def test_carry_step_correctness_hand_built():
+    p = "Compute (158+69)-8"  # 158+69=227 (units carry; the slip writes 217), 227-8=219
+    right = "<think>\nStep 1: 158+69=227\nStep 2: 227-8=219\n</think>\n\\boxed{219}"
+    slipped = "<think>\nStep 1: 158+69=217\nStep 2: 217-8=209\n</think>\n\\boxed{209}"
+    other = "<think>\nStep 1: 158+69=237\nStep 2: 237-8=229\n</think>\n\\boxed{229}"
+    # 227-8: a borrow (7 < 8) on a three-digit step: forgetting it gives 229
+    assert classify_carry_steps(p, ["158+69=227", "227-8=219"]) == ["correct", "correct"]
+    assert classify_carry_steps(p, ["158+69=217", "217-8=209"]) == ["slip", "correct"]
+    assert classify_carry_steps(p, ["158+69=237", "237-8=239"]) == ["other", "slip"]
+    records = [_record(p, right, True), _record(p, slipped, False), _record(p, other, False)]
+    assert evaluation.reasoning_stats(records)["carry_step_correctness"] == pytest.approx(4 / 6)
 
 
 def test_has_think_format():

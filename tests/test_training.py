@@ -271,3 +271,18 @@ def test_summary_reasoning_figures_come_from_the_verifier(tiny_dir, tmp_path, mo
     assert saved == summary
     last = read_metrics(Path(config.output_dir) / "metrics.csv")[-1]
     assert last["eval_step_correctness"] == 1.0 and last["eval_think_accuracy"] == 1.0
+
+
+def test_train_level_weights_flag_and_data():
+    import argparse
+
+    assert training.parse_level_weights("1,1,2,2,2") == [1.0, 1.0, 2.0, 2.0, 2.0]
+    assert training.parse_level_weights("none") is None
+    for bad in ("1,2,3", "1,1,1,1,-1", "0,0,0,0,0", "a,b,c,d,e", "nan,1,1,1,1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            training.parse_level_weights(bad)
+    train, held_out = training.load_grpo_data("arith", 300, "val", 50, [0, 0, 0, 1, 1])
+    assert {ex["level"] for ex in train} == {4, 5}
+    assert len({ex["level"] for ex in held_out}) == 5  # held-out levels stay uniform
+    with pytest.raises(ValueError, match="arith"):
+        training.load_grpo_data("gsm8k", 10, train_level_weights=[1, 1, 1, 1, 1])
