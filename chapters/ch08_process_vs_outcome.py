@@ -25,12 +25,7 @@ from reasoning_from_scratch.supervision_experiment import (
     PER_RUN,
     run_experiment,
 )
-from reasoning_from_scratch.training import (
-    DEFAULT_TRAIN_LEVEL_WEIGHTS,
-    GRPOConfig,
-    add_config_arguments,
-    parse_level_weights,
-)
+from reasoning_from_scratch.training import GRPOConfig, add_config_arguments, add_data_arguments
 
 
 def build_parser():
@@ -46,14 +41,7 @@ def build_parser():
     p.add_argument("--eval-points", type=int, default=4,
                    help="evaluate a checkpoint every steps // eval-points steps and at --steps "
                         "(about this many per run), besides the base model at step 0")
-    p.add_argument("--eval-split", default="test",
-                   help="held-out arithmetic split (val for tuning, test for reporting)")
-    p.add_argument("--train-examples", type=int, default=None,
-                   help="train on the first N problems of the train split (None: all of it)")
-    p.add_argument("--train-level-weights", type=parse_level_weights,
-                   default=DEFAULT_TRAIN_LEVEL_WEIGHTS,
-                   help="mix of difficulty levels 1-5 in the training problems, five "
-                        "comma-separated weights ('none': uniform); the default is chapter 7's")
+    add_data_arguments(p)
     p.add_argument("--process-skip-zero-advantage", default=False,
                    action=argparse.BooleanOptionalAction,
                    help="skip groups with equal outcome rewards in the process arms too (they "

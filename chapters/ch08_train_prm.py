@@ -34,7 +34,7 @@ def build_parser():
     p.add_argument("--train-problems", type=int, default=400, help="training problems")
     p.add_argument("--eval-problems", type=int, default=150, help="held-out (val) problems")
     p.add_argument("--samples", type=int, default=4, help="completions sampled per problem")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per completion")
+    p.add_argument("--max-new-tokens", type=int, default=112, help="tokens per completion")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--mc-rollouts", type=int, default=4,
                    help="Monte-Carlo continuations per step prefix (--labels mc)")

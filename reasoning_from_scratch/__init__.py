@@ -5,12 +5,20 @@ the public names so that `from reasoning_from_scratch import compute_grpo_loss` 
 """
 
 from .arithmetic import (
+    LEVELS,
+    classify_carry_steps,
     first_error_step,
+    flawed_solution,
     format_solution,
+    generate_level_problem,
     generate_problem,
+    is_large_step,
     make_split,
+    operand_slip,
     parse_problem,
     parse_steps,
+    problem_level,
+    slip_result,
     verify_steps,
 )
 from .datasets import (
@@ -22,7 +30,7 @@ from .datasets import (
     load_math_train,
 )
 from .device import default_dtype, get_device
-from .evaluation import evaluate
+from .evaluation import evaluate, per_level_accuracy, reasoning_stats, step_verdicts
 from .generation import (
     GenerationOutput,
     Rollouts,

@@ -7,7 +7,7 @@ from .datasets import (
     load_math500,
     load_math_train,
 )
-from .evaluation import evaluate
+from .evaluation import evaluate, per_level_accuracy, reasoning_stats, step_verdicts
 from .grading import (
     extract_final_candidate,
     get_last_boxed,

@@ -353,7 +353,7 @@ def label_agreement(records, reference_records) -> float:
 
 def train_prm_on_arithmetic(policy, tokenizer, out_dir, labels: str = "verifier",
                             train_problems: int = 400, eval_problems: int = 150,
-                            samples: int = 4, max_new_tokens: int = 64,
+                            samples: int = 4, max_new_tokens: int = 112,
                             temperature: float = 1.0, mc_rollouts: int = 4, epochs: int = 4,
                             lr: float = 1e-3, batch_size: int = 16, seed: int = 0, device=None,
                             info: dict | None = None, log=print) -> dict:

@@ -712,6 +712,19 @@ def add_config_arguments(parser, defaults: GRPOConfig):
                                 help=CONFIG_HELP[f.name])
 
 
+def add_data_arguments(parser):
+    """--eval-split, --train-examples and --train-level-weights (saved in data.json)."""
+    parser.add_argument("--eval-split", default="test",
+                        help="held-out split for arith (val for tuning, test for reporting)")
+    parser.add_argument("--train-examples", type=int, default=None,
+                        help="use the first N training problems (None: the whole split)")
+    parser.add_argument("--train-level-weights", type=parse_level_weights,
+                        default=DEFAULT_TRAIN_LEVEL_WEIGHTS,
+                        help="arith: mix of difficulty levels 1-5 in the training problems, five "
+                             "comma-separated weights such as 1,1,2,2,2 ('none': uniform, like "
+                             "the held-out splits)")
+
+
 def build_parser(description, defaults: GRPOConfig, run_prefix):
     """The chapter scripts' parser: model, data, device, resume, and every GRPOConfig field."""
     from .datasets import DATASET_NAMES
@@ -723,15 +736,7 @@ def build_parser(description, defaults: GRPOConfig, run_prefix):
     p.add_argument("--dataset", default="arith", choices=DATASET_NAMES,
                    help="arith: train on the train split, evaluate on --eval-split; math: MATH "
                         "train / MATH-500; gsm8k: train / test")
-    p.add_argument("--eval-split", default="test",
-                   help="held-out split for arith (val for tuning, test for reporting)")
-    p.add_argument("--train-examples", type=int, default=None,
-                   help="use the first N training problems (None: the whole split)")
-    p.add_argument("--train-level-weights", type=parse_level_weights,
-                   default=DEFAULT_TRAIN_LEVEL_WEIGHTS,
-                   help="arith: mix of difficulty levels 1-5 in the training problems, five "
-                        "comma-separated weights such as 1,1,2,2,2 (None: uniform, like the "
-                        "held-out splits)")
+    add_data_arguments(p)
     p.add_argument("--output-dir", default=None,
                    help=f"run directory (None: runs/{run_prefix}-<timestamp>)")
     p.add_argument("--resume", default=None,
