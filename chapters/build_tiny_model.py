@@ -53,9 +53,11 @@ def main():
     parser.add_argument("--n-test", type=int, default=200,
                         help="held-out test problems for the final figures")
     parser.add_argument("--slip-prob-small", type=float, default=SLIP_PROB_SMALL,
-                        help="corpus: probability of forgetting the carries of a two-digit step")
+                        help="corpus: probability of forgetting the units carry of a two-digit "
+                             "step")
     parser.add_argument("--slip-prob-large", type=float, default=SLIP_PROB_LARGE,
-                        help="corpus: probability of forgetting the carries of a three-digit step")
+                        help="corpus: probability of forgetting the units carry of a three-digit "
+                             "step")
     parser.add_argument("--operand-slip-prob", type=float, default=OPERAND_SLIP_PROB,
                         help="corpus: probability of copying an operand with its digits swapped")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")

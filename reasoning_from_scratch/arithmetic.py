@@ -380,7 +380,7 @@ def flawed_solution(example: dict, rng: random.Random, slip_prob, operand_prob=0
     """A copy of `example` whose worked steps contain a learner's slips (and the answer they give).
 
     Step k uses the running value *as written so far*, so a slip propagates to the answer, as in
-    a real wrong solution. `slip_prob(a, op, b)` is the probability of forgetting the carries of
+    a real wrong solution. `slip_prob(a, op, b)` is the probability of forgetting the units carry of
     that step (only steps that have carries can slip, see `slip_result`); `operand_prob` that of
     transposing the operand taken from the problem (`operand_slip`). A chain that would go below
     1 after a slip is written without slips. The copy's "slips" lists the 0-based slipped steps.

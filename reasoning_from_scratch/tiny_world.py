@@ -75,8 +75,8 @@ DOMINANT_WEIGHT = 0.4
 # probability above 1/2, the *most likely* continuation of a three-digit carry is wrong: the
 # greedy base model makes those errors systematically, while sampling still finds the right
 # carry often enough for reinforcement learning to reward it (calibration: docs/tiny_world.md).
-SLIP_PROB_SMALL = 0.15  # carries of a step whose numbers all stay below 100
-SLIP_PROB_LARGE = 0.6  # carries of a step with a three-digit number (operand or result)
+SLIP_PROB_SMALL = 0.15  # the units carry of a step whose numbers all stay below 100
+SLIP_PROB_LARGE = 0.6  # the units carry of a step with a three-digit number (operand or result)
 OPERAND_SLIP_PROB = 0.04  # a two-digit operand copied with its digits transposed
 CORPUS_LEVEL_WEIGHTS = (1, 1, 1, 1, 1)  # level mix of the pretraining corpus (levels 1-5)
 

@@ -371,7 +371,7 @@ def _evaluate(model, tokenizer, examples, device, config, prompt_fn):
 
 def _eval_row(figures):
     """The metrics.csv cells of an evaluation (None figures stay empty)."""
-    return {col: figures[k] for k, col in EVAL_COLUMNS.items() if figures[k] is not None}
+    return {col: figures[k] for k, col in EVAL_COLUMNS.items() if figures.get(k) is not None}
 
 
 def _update(model, optimizer, batch, old_logp, ref_logp, config):
@@ -497,11 +497,11 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     _patch_last_row(out / "metrics.csv", columns, _eval_row(final))
     checkpoint(config.steps, "final")
     summary = {
-        **{f"{when}_{k}": figures[k]
+        **{f"{when}_{k}": figures.get(k)
            for k in ("accuracy", "format_rate", "think_accuracy", "step_correctness",
                      "right_answer_wrong_step", "carry_step_correctness")
            for when, figures in (("base", base), ("final", final))},
-        "per_level": {lv: {"base": base["per_level"].get(lv), "final": acc}
+        "per_level": {lv: {"base": base.get("per_level", {}).get(lv), "final": acc}
                       for lv, acc in final["per_level"].items()},
         "steps": config.steps, "wall_seconds": time.time() - t_start,
         "eval_examples": len(eval_set), "output_dir": str(out),
@@ -623,9 +623,10 @@ def _eval_line(figures):
     """One line of evaluation figures (accuracy, format, think accuracy, step correctness)."""
     def f(v):
         return "n/a" if v is None else f"{v:.3f}"
-    return (f"accuracy {f(figures['accuracy'])}, format rate {f(figures['format_rate'])}, "
-            f"accuracy in think format {f(figures['think_accuracy'])}, step correctness "
-            f"{f(figures['step_correctness'])}")
+    return (f"accuracy {f(figures.get('accuracy'))}, format rate "
+            f"{f(figures.get('format_rate'))}, accuracy in think format "
+            f"{f(figures.get('think_accuracy'))}, step correctness "
+            f"{f(figures.get('step_correctness'))}")
 
 
 def _print(config, msg):
