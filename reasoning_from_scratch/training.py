@@ -61,6 +61,10 @@ METRIC_COLUMNS = [
     "step_time", "lr", "eval_accuracy", "eval_format_rate", "eval_think_accuracy",
     "eval_step_correctness",
 ]
+# The held-out figures of every evaluation (evaluation.evaluate's summary keys); summary.json has
+# base_<name> and final_<name> for each.
+EVAL_FIGURES = ("accuracy", "format_rate", "think_accuracy", "step_correctness",
+                "right_answer_wrong_step", "carry_step_correctness")
 # evaluation figure -> metrics.csv column (filled at evaluation steps only)
 EVAL_COLUMNS = {"accuracy": "eval_accuracy", "format_rate": "eval_format_rate",
                 "think_accuracy": "eval_think_accuracy",
@@ -362,10 +366,8 @@ def _evaluate(model, tokenizer, examples, device, config, prompt_fn):
     res = evaluate(model, tokenizer, examples, device,
                    max_new_tokens=config.eval_max_new_tokens or config.max_new_tokens,
                    batch_size=config.eval_batch_size, prompt_fn=prompt_fn, progress=False)
-    keys = ("accuracy", "format_rate", "think_accuracy", "step_correctness",
-            "right_answer_wrong_step", "carry_step_correctness")
     # str keys: the same dict before and after a JSON round trip (checkpoints, summary.json)
-    return {**{k: res[k] for k in keys},
+    return {**{k: res[k] for k in EVAL_FIGURES},
             "per_level": {str(k): v for k, v in res["per_level"].items()}}
 
 
@@ -498,9 +500,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     checkpoint(config.steps, "final")
     summary = {
         **{f"{when}_{k}": figures.get(k)
-           for k in ("accuracy", "format_rate", "think_accuracy", "step_correctness",
-                     "right_answer_wrong_step", "carry_step_correctness")
-           for when, figures in (("base", base), ("final", final))},
+           for k in EVAL_FIGURES for when, figures in (("base", base), ("final", final))},
         "per_level": {lv: {"base": base.get("per_level", {}).get(lv), "final": acc}
                       for lv, acc in final["per_level"].items()},
         "steps": config.steps, "wall_seconds": time.time() - t_start,
