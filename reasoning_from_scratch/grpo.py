@@ -11,6 +11,16 @@ References
 - Dr. GRPO: Liu et al., "Understanding R1-Zero-Like Training", arXiv 2503.20783: no division by the
   group std (`scale_rewards="none"`) and no per-sequence length normalisation (`dr_grpo` loss).
 - DeepSeek-R1 (arXiv 2501.12948) trained with epsilon = 10, i.e. clipping almost never active.
+- GSPO: Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071 (`gspo` loss: one
+  length-normalised importance ratio per completion, clipped at the sequence level).
+- CISPO: MiniMax, "MiniMax-M1", arXiv 2506.13585, section 3.1 (`cispo` loss: clip the stop-
+  gradient importance weight, never drop a token's gradient).
+- TIS: Yao, Liu et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+  Training" (truncated importance sampling between the sampler's and the trainer's log-probs).
+- DeepSeek-V3.2 (arXiv 2512.02556), "Off-Policy Sequence Masking" of far-off-policy negatives.
+- GDPO: Liu et al., arXiv 2601.05242: normalise each reward component within its group before
+  summing (`group_advantages_multi`).
+- Log-probs at the sampling temperature: TRL's GRPOTrainer divides the logits by T.
 
 Shapes: B rollouts (= N prompts x G rollouts each), L packed sequence length, Tc completion length,
 V vocabulary, H hidden size.
@@ -29,7 +39,8 @@ from .process import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "sequence")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "sequence", "gspo", "cispo")
+SEQUENCE_LOSS_TYPES = ("sequence", "gspo")  # one ratio per completion; need (B,) advantages
 SCALE_REWARDS = ("group", "batch", "none")
 
 
@@ -37,13 +48,26 @@ SCALE_REWARDS = ("group", "batch", "none")
 # Advantages
 # ----------------------------------------------------------------------------------------------
 
+def _equal_rows(x):
+    """(N, 1) bool: rows whose values are all exactly equal (no signal; as `normalize_pool`)."""
+    return (x == x[:, :1]).all(dim=1, keepdim=True)
+
+
 def compute_advantage_stats(rewards_list):
-    """Book chapter 7: group-normalised advantages (r - mean) / (std + 1e-4), their mean and std."""
+    """Book chapter 7: group-normalised advantages (r - mean) / (std + 1e-4), their mean and std.
+
+    A group whose rewards are all equal, or that has a single rollout (its std is undefined: NaN),
+    carries no learning signal and gets exactly zero advantages, mean 0 and std 0 (the rule of
+    `process.normalize_pool`; otherwise equal non-binary rewards such as 0.1 leave float rounding
+    noise of ~1e-4 after the division).
+    """
     rewards = torch.tensor(rewards_list, dtype=torch.float32)
+    if rewards.numel() < 2 or bool((rewards == rewards[0]).all()):
+        return torch.zeros_like(rewards), 0.0, 0.0
     advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
 
     adv_avg = advantages.mean().item()  # always ~0: a property of the normalisation
-    adv_std = advantages.std().item()  # ~1 with mixed rewards, 0 when all rewards are equal
+    adv_std = advantages.std().item()  # ~1 with mixed rewards
     return advantages, adv_avg, adv_std
 
 
@@ -53,7 +77,9 @@ def group_advantages(rewards, scale_rewards="group", eps=1e-4):
     scale_rewards: "group" divides by each group's std (GRPO, DeepSeekMath section 4.1.2);
     "batch" divides by the std of all N x G rewards (less noisy with small groups); "none" keeps
     the centred rewards (Dr. GRPO, arXiv 2503.20783: the group std up-weights too-easy and too-hard
-    questions). Std is torch's default (unbiased), matching `compute_advantage_stats`.
+    questions). Std is torch's default (unbiased), matching `compute_advantage_stats`. A group
+    whose rewards are all exactly equal gets exactly zero advantages in every mode (its float mean
+    need not equal the rewards, e.g. seven rewards of 0.1, which left ~7e-5 after the division).
     """
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if rewards.dim() == 1:
@@ -66,12 +92,39 @@ def group_advantages(rewards, scale_rewards="group", eps=1e-4):
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     centred = rewards - rewards.mean(dim=1, keepdim=True)  # (N, G)
     if scale_rewards == "none":
-        return centred
-    if scale_rewards == "group":
-        std = rewards.std(dim=1, keepdim=True)  # (N, 1)
+        adv = centred
+    elif scale_rewards == "group":
+        adv = centred / (rewards.std(dim=1, keepdim=True) + eps)  # (N, 1) group std
     else:
-        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
-    return centred / (std + eps)
+        adv = centred / (rewards.std() + eps)  # numel >= 2 since G >= 2
+    return adv.masked_fill(_equal_rows(rewards), 0.0)
+
+
+def group_advantages_multi(reward_components, weights=None, scale_rewards="group",
+                           batch_normalize=True, eps=1e-4):
+    """GDPO advantages (N, G): normalise each reward component in its group, weight, sum, rescale.
+
+    GDPO (Liu et al., "Group reward-Decoupled Normalization Policy Optimization", arXiv
+    2601.05242): GRPO on the *summed* reward maps different reward combinations to the same
+    advantage (correct-but-unformatted vs formatted-but-wrong), so each component k gets its own
+    group normalisation A_k = group_advantages(r_k, scale_rewards) (equal groups -> exact 0), then
+    A = sum_k w_k A_k, then (batch_normalize, GDPO's default) A / std(A over all N x G), so the
+    scale does not grow with the number of components. GDPO also subtracts the batch mean; here
+    it is skipped because every group of A already has zero mean (each A_k is group-centred), and
+    subtracting the float mean would turn zero-signal groups into tiny non-zero ones. The weights
+    are applied after the per-component normalisation (our choice: a weight then means "share of
+    the advantage", not "reward units"). reward_components: K tensors (N, G) (or one (K, N, G)).
+    """
+    comps = [torch.as_tensor(c, dtype=torch.float32) for c in reward_components]
+    if not comps or any(c.shape != comps[0].shape for c in comps):
+        raise ValueError("group_advantages_multi: needs >= 1 reward components of one shape (N, G)")
+    weights = [1.0] * len(comps) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(comps):
+        raise ValueError(f"{len(weights)} weights for {len(comps)} reward components")
+    total = sum(w * group_advantages(c, scale_rewards, eps) for w, c in zip(weights, comps))
+    if not batch_normalize or total.numel() < 2 or bool((total == total.flatten()[0]).all()):
+        return total  # (N, G); all-equal (all zero) advantages stay exactly zero
+    return total / (total.std() + eps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,9 +160,12 @@ def sequence_logprob_and_entropy(model, token_ids, prompt_len):
     return logp_all_steps, step_entropy.mean()
 
 
-def _logprob_entropy_chunk(head, h, targets, with_entropy):
+def _logprob_entropy_chunk(head, h, targets, with_entropy, temperature=1.0):
     """log p(target) (n,) and entropy (n,) for hidden states h (n, H); logits live only here."""
-    logprobs = torch.log_softmax(head(h).float(), dim=-1)  # (n, V) float32
+    logits = head(h).float()  # (n, V) float32
+    if temperature != 1.0:
+        logits = logits / temperature  # the distribution the sampler drew from (see caller)
+    logprobs = torch.log_softmax(logits, dim=-1)
     logp = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logp, torch.zeros_like(logp)
@@ -117,7 +173,8 @@ def _logprob_entropy_chunk(head, h, targets, with_entropy):
 
 
 def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len=None,
-                               completion_mask=None, chunk_size=1024, with_entropy=True):
+                               completion_mask=None, chunk_size=1024, with_entropy=True,
+                               temperature=1.0):
     """Per-token answer log-probs and entropies (B, Tc), float32, 0 where not `completion_mask`.
 
     input_ids (B, L) = (left-padded) prompts followed by completions that all start at column
@@ -127,7 +184,13 @@ def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len
     the backward pass ever holds more than one (chunk_size, V) float32 logits block (Qwen's V is
     151,936: all 64 x 512 positions at once would be 20 GB). Models without `forward_hidden` fall
     back to full logits (fine for small vocabularies).
+    temperature: log-probs and entropies of softmax(logits / temperature), the distribution a
+    sampler at that temperature draws from (before top-p), as TRL's GRPOTrainer computes them;
+    1.0 (default) is the model's own distribution. With no answer token at all (an all-False
+    mask) the zeros returned stay connected to the graph, so a loss built on them can backward.
     """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, L), got {tuple(input_ids.shape)}")
     B, L = input_ids.shape
@@ -155,7 +218,7 @@ def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len
     use_ckpt = torch.is_grad_enabled() and h.requires_grad
     logp_parts, ent_parts = [], []
     for s in range(0, h.shape[0], chunk_size):
-        args = (head, h[s:s + chunk_size], targets[s:s + chunk_size], with_entropy)
+        args = (head, h[s:s + chunk_size], targets[s:s + chunk_size], with_entropy, temperature)
         if use_ckpt:
             lp, ent = checkpoint(_logprob_entropy_chunk, *args, use_reentrant=False)
         else:
@@ -169,6 +232,11 @@ def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len
         # masked_scatter fills the True positions in row-major order, matching h = hidden[mask].
         logp = logp.masked_scatter(mask, torch.cat(logp_parts))
         entropy = entropy.masked_scatter(mask, torch.cat(ent_parts))
+    elif h.requires_grad:
+        # No answer token: h is (0, H) and its sum an exact 0 that still has a grad_fn, so a loss
+        # on these zeros can call .backward() (all gradients 0) instead of raising.
+        zero = h.sum().float() * 0
+        logp, entropy = logp + zero, entropy + zero
     return logp, entropy
 
 
@@ -205,6 +273,13 @@ def clipped_surrogate(logp, old_logp, advantages, epsilon=0.2, epsilon_high=None
     return torch.minimum(unclipped, clipped)
 
 
+# How each loss type reduces a per-token quantity (its KL term, entropy bonus): the token-level
+# types by themselves; GSPO like GRPO (per-sequence token mean, its 1/|y_i| length
+# normalisation, then mean over sequences); CISPO like DAPO (all tokens of the batch).
+_AGGREGATION = {"grpo": "grpo", "dapo": "dapo", "dr_grpo": "dr_grpo", "sequence": "sequence",
+                "gspo": "grpo", "cispo": "dapo"}
+
+
 def aggregate_loss(per_token_loss, mask, loss_type="grpo", max_completion_length=None):
     """Reduce a (B, T) per-token loss over the real tokens in `mask` to a scalar.
 
@@ -212,24 +287,27 @@ def aggregate_loss(per_token_loss, mask, loss_type="grpo", max_completion_length
     get less weight per token). dapo: mean over all tokens of the batch (DAPO section 3.3).
     dr_grpo: sum / (B x max_completion_length), a constant normaliser (Dr. GRPO section 3.1).
     sequence: sum over each sequence's tokens, mean over sequences (the book's chapter 6/7
-    `-(advantages * summed_logps).mean()`).
+    `-(advantages * summed_logps).mean()`). gspo reduces like grpo and cispo like dapo. Every
+    normaliser is clamped to >= 1, so an empty batch or mask gives 0, not NaN.
     """
     if per_token_loss.shape != mask.shape:
         raise ValueError(
             f"per_token_loss {tuple(per_token_loss.shape)} and mask {tuple(mask.shape)} differ"
         )
+    if loss_type not in _AGGREGATION:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    how = _AGGREGATION[loss_type]
     m = mask.to(per_token_loss.dtype)
     masked = per_token_loss * m
-    if loss_type == "grpo":
-        return (masked.sum(-1) / m.sum(-1).clamp(min=1)).mean()
-    if loss_type == "dapo":
+    B = max(per_token_loss.shape[0], 1)
+    if how == "grpo":
+        return (masked.sum(-1) / m.sum(-1).clamp(min=1)).sum() / B
+    if how == "dapo":
         return masked.sum() / m.sum().clamp(min=1)
-    if loss_type == "dr_grpo":
+    if how == "dr_grpo":
         T = per_token_loss.shape[1] if max_completion_length is None else max_completion_length
-        return masked.sum() / (per_token_loss.shape[0] * T)
-    if loss_type == "sequence":
-        return masked.sum(-1).mean()
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        return masked.sum() / (B * max(T, 1))
+    return masked.sum(-1).sum() / B  # sequence
 
 
 def _as_column(advantages, logp):
@@ -243,34 +321,142 @@ def _as_column(advantages, logp):
     )
 
 
+def _seq_reduce(x, maskf, loss_type):
+    """Per-sequence (B,) sum ("sequence") or token mean ("gspo") of x (B, T) over the mask."""
+    total = (x * maskf).sum(-1)
+    return total if loss_type == "sequence" else total / maskf.sum(-1).clamp(min=1)
+
+
+def truncated_is_weight(old_logp, sampler_logp, cap, maskf=None, loss_type="grpo"):
+    """TIS weight min(pi_old / pi_sampler, C), detached: (B, T), or (B,) for sequence types.
+
+    Yao, Liu et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training" (Truncated Importance Sampling): the sampler (vLLM, or a KV-cache loop in another
+    precision) is not exactly the trainer's pi_old, so each token's loss is re-weighted by
+    pi_old(y_t) / pi_sampler(y_t) = exp(old_logp - sampler_logp), truncated at C (they use C = 2)
+    to bound the variance. For "sequence"/"gspo" the weight uses the same sequence-level log-ratio
+    as the loss (summed / token-mean), with `maskf` (B, T) the answer tokens.
+    """
+    log_w = (old_logp - sampler_logp).detach()
+    if loss_type in SEQUENCE_LOSS_TYPES:
+        log_w = _seq_reduce(log_w, maskf, loss_type)  # (B,)
+    return torch.exp(log_w).clamp(max=cap)
+
+
+def off_policy_sequence_mask(logp, behaviour_logp, advantages, maskf, threshold):
+    """DeepSeek-V3.2 off-policy sequence mask: 0 where A < 0 and the sequence KL > delta, else 1.
+
+    DeepSeek-AI, "DeepSeek-V3.2" (arXiv 2512.02556), Off-Policy Sequence Masking: M_{i,t} = 0 if
+    A_{i,t} < 0 and (1/|o_i|) sum_t log(pi_old(o_{i,t}) / pi_theta(o_{i,t})) > delta, else 1,
+    where pi_old is the *sampling* probability returned by the inference engine (so the k1 KL
+    estimate covers both staleness and train/inference mismatch). The model learns mostly from
+    its own mistakes; negative samples that drifted far off-policy mislead more than they teach.
+    Returns a detached mask shaped like `advantages` (B,) or (B, T); sequences without answer
+    tokens have KL 0 and are kept.
+    """
+    kl = _seq_reduce((behaviour_logp - logp).detach(), maskf, "gspo")  # (B,) mean k1 per token
+    far = kl > threshold
+    if advantages.dim() == 2:
+        far = far.unsqueeze(-1)  # (B, 1) against per-token advantages (B, T)
+    return (~((advantages < 0) & far)).to(logp.dtype)
+
+
+def _token_policy_loss(logp, old_logp, adv, loss_type, epsilon, high):
+    """Per-token policy loss (B, T): the clipped surrogate, or CISPO's IS-weighted log-prob."""
+    if loss_type != "cispo":
+        return -clipped_surrogate(logp, old_logp, adv, epsilon, high)
+    # CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4): sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp.
+    # The paper sets no lower bound and tunes only eps_high, so only the top is clipped here;
+    # unlike PPO's min, a token outside the range keeps its gradient, only its weight is capped.
+    ratio = torch.exp(logp - old_logp).detach()
+    weight = ratio if epsilon is None else ratio.clamp(max=1.0 + high)
+    return -(weight * adv * logp)
+
+
+def _clip_stats(ratio, adv, count, loss_type, epsilon, high):
+    """Fractions (low, high) of counted tokens (or sequences) whose ratio is clipped."""
+    zero = torch.zeros_like(ratio)
+    if epsilon is None:
+        low, hi = zero, zero
+    elif loss_type == "cispo":  # only the IS weight's top is capped, whatever the sign of A
+        low, hi = zero, (ratio > 1 + high).to(ratio.dtype)
+    else:  # where the clipped side of PPO's pessimistic min is active
+        low = ((ratio < 1 - epsilon) & (adv < 0)).to(ratio.dtype)
+        hi = ((ratio > 1 + high) & (adv > 0)).to(ratio.dtype)
+    n = count.sum().clamp(min=1)
+    return ((low * count).sum() / n).item(), ((hi * count).sum() / n).item()
+
+
 def clipped_policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsilon=0.2,
                         epsilon_high=None, ref_logp=None, beta=0.0, entropy=None,
-                        entropy_coef=0.0, max_completion_length=None):
+                        entropy_coef=0.0, max_completion_length=None, sampler_logp=None,
+                        tis_cap=None, off_policy_mask_threshold=None):
     """GRPO loss = -surrogate + beta x KL - entropy_coef x entropy, and detached statistics.
 
-    logp/old_logp/ref_logp/entropy (B, T) per token, mask (B, T) real answer tokens, advantages
-    (B,) per completion (outcome supervision) or (B, T) per token (process supervision).
-    loss_type "sequence" applies the ratio and clipping to the summed log-probs of a completion
-    (the book's chapters 6-7); it needs (B,) advantages. The KL (k3, per token; the book's
-    chapter 7 used the sequence-level difference of log-probs) and the entropy bonus are reduced
-    like the policy term (the bonus as a per-sequence mean for "sequence").
-    Returns a dict: loss (tensor with grad), and detached floats pg_loss, kl, entropy (mean per
-    answer token), ratio_mean, ratio_max, clip_frac_low, clip_frac_high (fraction of tokens,
-    or of completions for "sequence", where the clipped side of the min is active).
+    logp/old_logp/ref_logp/entropy/sampler_logp (B, T) per token, mask (B, T) real answer tokens,
+    advantages (B,) per completion (outcome supervision) or (B, T) per token (process
+    supervision). Loss types (the policy term):
+    - grpo / dapo / dr_grpo: the clipped surrogate per token, reduced by `aggregate_loss`.
+    - sequence: ratio and clipping on the summed log-probs of a completion (book chapters 6-7).
+    - gspo (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071):
+      s_i = exp(mean_t(logp - old_logp)), the length-normalised sequence ratio;
+      loss = -mean_i min(s_i A_i, clip(s_i, 1 - eps, 1 + eps_high) A_i). GSPO-token's
+      sg-form has the same gradient. The paper clips far tighter (eps 3e-4 / 4e-4) than PPO.
+    - cispo (MiniMax-M1, arXiv 2506.13585, eq. 4): loss = -sum_{i,t} sg(min(r_it, 1 + eps_high))
+      A_it logp_it / (answer tokens in the batch), r_it = exp(logp - old_logp); `epsilon` only
+      sets the default eps_high (no lower bound, as in the paper); epsilon=None: no cap.
+    "sequence" and "gspo" need (B,) advantages. The KL (k3, per token; the book's chapter 7 used
+    the sequence-level difference of log-probs) and the entropy bonus are reduced like the policy
+    term (`aggregate_loss`: gspo per-sequence token mean, cispo batch token mean; the bonus as a
+    per-sequence mean for "sequence"). Sequences without answer tokens add 0 to every term.
+    Off-policy options (policy term only, the KL and entropy terms are untouched; default off):
+    - tis_cap=C with sampler_logp: truncated importance sampling, see `truncated_is_weight`.
+    - off_policy_mask_threshold=delta: DeepSeek-V3.2 masking, see `off_policy_sequence_mask`;
+      the KL is measured against sampler_logp when given, else against old_logp. The masked
+      terms become 0 but keep their place in the normalisers, as in the paper's equation.
+    Returns a dict: loss (tensor; connected to the graph whenever logp requires grad, even with
+    an all-False mask), and detached floats pg_loss, kl, entropy (mean per answer token),
+    ratio_mean, ratio_max (over answer tokens; for "sequence"/"gspo" over completions with
+    answer tokens, of their sequence ratio; None when nothing counts), clip_frac_low,
+    clip_frac_high (fraction of those tokens/completions where the clipped side of the min is
+    active; cispo: where the IS weight hit its cap, always "high"), tis_weight_mean (mean TIS
+    weight, 1.0 when off, None when nothing counts) and off_policy_mask_frac (fraction of
+    completions with answer tokens of which the mask removed some or all).
     """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if tis_cap is not None and sampler_logp is None:
+        raise ValueError("tis_cap (truncated importance sampling) needs sampler_logp")
     maskf = mask.to(logp.dtype)
+    has_tokens = (maskf.sum(-1) > 0).to(logp.dtype)  # (B,) completions that enter the loss
     high = epsilon if epsilon_high is None else epsilon_high
-    if loss_type == "sequence":
-        if advantages.dim() != 1:
-            raise ValueError("loss_type='sequence' needs per-completion advantages of shape (B,)")
-        seq_logp, seq_old = (logp * maskf).sum(-1), (old_logp * maskf).sum(-1)  # (B,)
-        pg_loss = -clipped_surrogate(seq_logp, seq_old, advantages, epsilon, epsilon_high).mean()
-        ratio, adv, stat_mask = torch.exp(seq_logp - seq_old), advantages, torch.ones_like(seq_logp)
+    sequence_level = loss_type in SEQUENCE_LOSS_TYPES
+    if sequence_level and advantages.dim() != 1:
+        raise ValueError(f"loss_type={loss_type!r} needs per-completion advantages of shape (B,)")
+    adv = advantages if sequence_level else _as_column(advantages, logp)
+
+    weight = torch.ones_like(adv if sequence_level else logp)  # (B,) or (B, T), no grad
+    tis_weight = None
+    if tis_cap is not None:
+        tis_weight = truncated_is_weight(old_logp, sampler_logp, tis_cap, maskf, loss_type)
+        weight = weight * tis_weight
+    opsm = None
+    if off_policy_mask_threshold is not None:
+        behaviour = old_logp if sampler_logp is None else sampler_logp
+        opsm = off_policy_sequence_mask(logp, behaviour, advantages, maskf,
+                                        off_policy_mask_threshold)
+        weight = weight * (opsm if sequence_level else _as_column(opsm, logp))
+
+    if sequence_level:
+        seq_logp = _seq_reduce(logp, maskf, loss_type)  # (B,) summed or token-mean log-probs
+        seq_old = _seq_reduce(old_logp, maskf, loss_type)
+        per_seq = -clipped_surrogate(seq_logp, seq_old, adv, epsilon, epsilon_high)
+        pg_loss = (per_seq * weight * has_tokens).sum() / max(logp.shape[0], 1)
+        ratio, count = torch.exp(seq_logp - seq_old), has_tokens
     else:
-        adv = _as_column(advantages, logp)
-        per_token = -clipped_surrogate(logp, old_logp, adv, epsilon, epsilon_high)  # (B, T)
+        per_token = _token_policy_loss(logp, old_logp, adv, loss_type, epsilon, high) * weight
         pg_loss = aggregate_loss(per_token, mask, loss_type, max_completion_length)
-        ratio, stat_mask = torch.exp(logp - old_logp), maskf
+        ratio, count = torch.exp(logp - old_logp), maskf
     loss = pg_loss
 
     kl = torch.zeros((), device=logp.device)
@@ -286,21 +472,33 @@ def clipped_policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsi
             loss = loss - entropy_coef * bonus  # higher entropy lowers the loss
 
     with torch.no_grad():
-        n = stat_mask.sum().clamp(min=1)
-        r, a = ratio.detach(), adv.detach().expand_as(ratio)
-        low = ((r < 1 - epsilon) & (a < 0)).float() if epsilon is not None else torch.zeros_like(r)
-        hi = ((r > 1 + high) & (a > 0)).float() if epsilon is not None else torch.zeros_like(r)
-        stats = {
-            "pg_loss": pg_loss.item(),
-            "kl": kl.item(),
-            "entropy": ent.item(),
-            "ratio_mean": ((r * stat_mask).sum() / n).item(),
-            "ratio_max": r.masked_fill(stat_mask == 0, float("-inf")).max().item()
-            if r.numel() else 1.0,
-            "clip_frac_low": ((low * stat_mask).sum() / n).item(),
-            "clip_frac_high": ((hi * stat_mask).sum() / n).item(),
-        }
-    return {"loss": loss, **stats}
+        stats = _loss_stats(ratio.detach(), adv.detach().expand_as(ratio), count, loss_type,
+                            epsilon, high, tis_weight, opsm, has_tokens)
+    return {"loss": loss, "pg_loss": pg_loss.item(), "kl": kl.item(), "entropy": ent.item(),
+            **stats}
+
+
+def _loss_stats(ratio, adv, count, loss_type, epsilon, high, tis_weight, opsm, has_tokens):
+    """Detached ratio / clipping / off-policy statistics of `clipped_policy_loss` (floats)."""
+    n = count.sum()
+    nothing = not bool(n > 0)  # no answer token counts: ratio statistics are undefined -> None
+    low_frac, high_frac = _clip_stats(ratio, adv, count, loss_type, epsilon, high)
+    tis_mean = 1.0
+    if tis_weight is not None:
+        tis_mean = None if nothing else ((tis_weight * count).sum() / n).item()
+    mask_frac = 0.0
+    if opsm is not None:
+        dropped = opsm < 1 if opsm.dim() == 1 else (opsm < 1).any(dim=-1)  # (B,)
+        mask_frac = ((dropped.to(has_tokens.dtype) * has_tokens).sum()
+                     / has_tokens.sum().clamp(min=1)).item()
+    return {
+        "ratio_mean": None if nothing else ((ratio * count).sum() / n).item(),
+        "ratio_max": None if nothing else ratio[count > 0].max().item(),
+        "clip_frac_low": low_frac,
+        "clip_frac_high": high_frac,
+        "tis_weight_mean": tis_mean,
+        "off_policy_mask_frac": mask_frac,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,29 +657,35 @@ def _pad_id(tokenizer):
     return 0
 
 
-def batch_logprobs(model, batch: RolloutBatch, chunk_size=1024, with_entropy=True):
-    """Per-token (log-probs, entropies) (B, Tc) of a packed batch under `model`."""
+def batch_logprobs(model, batch: RolloutBatch, chunk_size=1024, with_entropy=True,
+                   temperature=1.0):
+    """Per-token (log-probs, entropies) (B, Tc) of a packed batch under `model` at `temperature`."""
     return token_logprobs_and_entropy(model, batch.input_ids, batch.attention_mask,
                                       batch.prompt_len, batch.completion_mask, chunk_size,
-                                      with_entropy)
+                                      with_entropy, temperature)
 
 
 def grpo_loss_on_batch(model, batch: RolloutBatch, old_logp=None, ref_logp=None, loss_type="grpo",
                        epsilon=0.2, epsilon_high=None, beta=0.0, entropy_coef=0.0,
-                       max_completion_length=None, chunk_size=1024):
+                       max_completion_length=None, chunk_size=1024, temperature=1.0,
+                       sampler_logp=None, tis_cap=None, off_policy_mask_threshold=None):
     """Loss dict of `clipped_policy_loss` for a packed batch (log-probs with grad).
 
     old_logp None means "the policy that sampled the batch is the current one": the old log-probs
     are the current ones detached (ratio exactly 1), which saves a forward pass when each batch
     gets a single update; pass precomputed old log-probs for PPO-style inner epochs.
+    temperature: log-probs of softmax(logits / T) (see `token_logprobs_and_entropy`); old_logp,
+    ref_logp and sampler_logp (B, Tc) should be taken at the same T.
+    sampler_logp/tis_cap/off_policy_mask_threshold: see `clipped_policy_loss`.
     """
-    logp, entropy = batch_logprobs(model, batch, chunk_size, with_entropy=True)
+    logp, entropy = batch_logprobs(model, batch, chunk_size, True, temperature)
     if not entropy_coef:
         entropy = entropy.detach()
     old = logp.detach() if old_logp is None else old_logp
     out = clipped_policy_loss(logp, old, batch.advantages, batch.completion_mask, loss_type,
                               epsilon, epsilon_high, ref_logp, beta, entropy, entropy_coef,
-                              max_completion_length)
+                              max_completion_length, sampler_logp, tis_cap,
+                              off_policy_mask_threshold)
     out["num_tokens"] = int(batch.completion_mask.sum())
     return out
 
@@ -492,7 +696,8 @@ def compute_grpo_loss(model, tokenizer, example, device, num_rollouts=8, max_new
                       epsilon_high=None, beta=0.0, ref_model=None, scale_rewards="group",
                       entropy_coef=0.0, mask_truncated=False, chunk_size=1024, generator=None,
                       prompt_fn=render_prompt, advantage_fn=None, supervision="outcome",
-                      step_scorer="verifier", process_variant="sum", step_split="tags"):
+                      step_scorer="verifier", process_variant="sum", step_split="tags",
+                      logprob_temperature=1.0):
     """GRPO loss for one example (book chapters 6-7 contract), batched over its G rollouts.
 
     Samples `num_rollouts` completions with one shared prefill, scores them with `reward_fn`
@@ -504,7 +709,8 @@ def compute_grpo_loss(model, tokenizer, example, device, num_rollouts=8, max_new
     `collect_rollouts` for advantage_fn (token-level advantages). supervision="process" builds
     that advantage_fn from `step_scorer` (verifier | verifier-signed | mc | mc-hard | prm:PATH or
     a scorer object), `process_variant` and `step_split` (see `process.make_process_advantage_fn`:
-    DeepSeekMath section 4.1.3 process supervision).
+    DeepSeekMath section 4.1.3 process supervision). logprob_temperature: the T of the policy's
+    and reference's log-probs (1.0: the book's; TRL uses the sampling `temperature`).
     """
     if supervision not in ("outcome", "process"):
         raise ValueError(f"supervision must be 'outcome' or 'process', got {supervision!r}")
@@ -524,9 +730,9 @@ def compute_grpo_loss(model, tokenizer, example, device, num_rollouts=8, max_new
     ref_logp = None
     if beta:
         with torch.no_grad():
-            ref_logp, _ = batch_logprobs(ref_model, batch, chunk_size, with_entropy=False)
+            ref_logp, _ = batch_logprobs(ref_model, batch, chunk_size, False, logprob_temperature)
     out = grpo_loss_on_batch(model, batch, None, ref_logp, loss_type, epsilon, epsilon_high, beta,
-                             entropy_coef, max_new_tokens, chunk_size)
+                             entropy_coef, max_new_tokens, chunk_size, logprob_temperature)
     loss_tensor = out["loss"]
     return {
         "loss": loss_tensor.item(),
@@ -543,7 +749,9 @@ def compute_grpo_loss(model, tokenizer, example, device, num_rollouts=8, max_new
 
 
 __all__: Sequence[str] = [
-    "LOSS_TYPES", "SCALE_REWARDS", "compute_advantage_stats", "group_advantages",
+    "LOSS_TYPES", "SEQUENCE_LOSS_TYPES", "SCALE_REWARDS", "compute_advantage_stats",
+    "group_advantages", "group_advantages_multi", "truncated_is_weight",
+    "off_policy_sequence_mask",
     "sequence_logprob", "sequence_logprob_and_entropy", "token_logprobs_and_entropy", "k3_kl",
     "clipped_surrogate", "aggregate_loss", "clipped_policy_loss", "RolloutBatch", "pack_rollouts",
     "collect_rollouts", "batch_logprobs", "grpo_loss_on_batch", "compute_grpo_loss",

@@ -9,12 +9,17 @@ from torch import nn
 from reasoning_from_scratch import grpo
 from reasoning_from_scratch.generation import Rollouts
 from reasoning_from_scratch.grpo import (
+    LOSS_TYPES,
+    RolloutBatch,
     aggregate_loss,
+    batch_logprobs,
     clipped_policy_loss,
     clipped_surrogate,
     compute_advantage_stats,
     compute_grpo_loss,
     group_advantages,
+    group_advantages_multi,
+    grpo_loss_on_batch,
     k3_kl,
     pack_rollouts,
     sequence_logprob,
@@ -378,3 +383,285 @@ def test_token_level_advantage_hook(monkeypatch):
     hooked["loss_tensor"].backward()
     for a, p in zip(g1, model.parameters()):
         torch.testing.assert_close(a, p.grad)
+
+
+# ---------------------------------------------------------------- GSPO, CISPO, TIS, off-policy mask
+# Each test checks clipped_policy_loss against an independent few-line implementation written
+# from the paper's formula, on tiny float64 tensors: the loss value AND its gradient wrt logp.
+
+def _off_policy_batch():
+    """4 completions (float64) with hand-chosen mean log-ratios: 1.5x, 0.5x, ~1x and 1.5x."""
+    g = torch.Generator().manual_seed(3)
+    logp = -torch.rand(4, 3, generator=g, dtype=torch.float64) * 2
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]]).bool()
+    # per-token log-ratios whose mean over each completion's real tokens is the target
+    target = torch.tensor([math.log(1.5), math.log(0.5), 0.01, math.log(1.5)], dtype=torch.float64)
+    jitter = torch.tensor([[0.3, -0.1, -0.2], [0.2, -0.2, 0.7], [0.1, 0.0, -0.1], [0.0, 0.4, 0.4]],
+                          dtype=torch.float64)
+    old = logp - (target[:, None] + jitter)
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0], dtype=torch.float64)
+    ref = logp + 0.2 * torch.randn(4, 3, generator=g, dtype=torch.float64)
+    return logp, old, ref, adv, mask
+
+
+def _value_and_grad(fn, logp):
+    """fn(logp with grad) -> scalar; returns (value, d value / d logp)."""
+    lp = logp.clone().requires_grad_(True)
+    out = fn(lp)
+    out = out["loss"] if isinstance(out, dict) else out
+    out.backward()
+    return out.detach(), lp.grad
+
+
+def _gspo_token_form(lp, old, adv, mask, eps, eps_high, ref=None, beta=0.0):
+    """GSPO-token (Zheng et al. 2025): s_it = sg(s_i) pi(y_t) / sg(pi(y_t)), same gradient."""
+    m = mask.double()
+    n = m.sum(1)
+    s = torch.exp(((lp - old) * m).sum(1) / n)  # (B,) length-normalised sequence ratio
+    s_tok = s.detach()[:, None] * torch.exp(lp - lp.detach())  # value s_i, grad wrt token t
+    A = adv[:, None]
+    obj = torch.minimum(s_tok * A, s_tok.clamp(1 - eps, 1 + eps_high) * A)
+    if ref is not None:
+        obj = obj - beta * (torch.exp(ref - lp) - (ref - lp) - 1)  # k3 per token
+    return -((obj * m).sum(1) / n).mean()
+
+
+def test_gspo_matches_gspo_token_form_values_grads_and_stats():
+    logp, old, ref, adv, mask = _off_policy_batch()
+    grads = []
+    for beta, r in ((0.0, None), (0.1, ref)):  # without and with the k3 KL term
+        ours = _value_and_grad(lambda lp, r=r, beta=beta: clipped_policy_loss(
+            lp, old, adv, mask, "gspo", 0.2, 0.28, r, beta), logp)
+        theirs = _value_and_grad(lambda lp, r=r, beta=beta: _gspo_token_form(
+            lp, old, adv, mask, 0.2, 0.28, r, beta), logp)
+        torch.testing.assert_close(ours[0], theirs[0])
+        torch.testing.assert_close(ours[1], theirs[1])
+        grads.append(ours[1])
+    # completion 0 (s = 1.5 > 1.28, A > 0) and 1 (s = 0.5 < 0.8, A < 0) are clipped: zero grads
+    assert grads[0][:2].abs().max() == 0 and grads[0][2:].abs().max() > 0
+    out = clipped_policy_loss(logp, old, adv, mask, "gspo", 0.2, 0.28)
+    assert out["clip_frac_high"] == 0.25 and out["clip_frac_low"] == 0.25  # of 4 completions
+    assert out["ratio_max"] == pytest.approx(1.5)
+    assert out["ratio_mean"] == pytest.approx((1.5 + 0.5 + math.exp(0.01) + 1.5) / 4)
+    with pytest.raises(ValueError, match="gspo"):
+        clipped_policy_loss(logp, old, adv[:, None].expand_as(logp), mask, "gspo")
+
+
+def test_cispo_matches_written_out_formula_values_grads_and_stats():
+    logp, old, ref, adv, mask = _off_policy_batch()
+    eps_high, beta = 0.28, 0.05
+
+    def written_out(lp):
+        # MiniMax-M1 eq. 4 (no lower bound on the IS weight), KL per token over all tokens
+        n_tokens, total = int(mask.sum()), 0.0
+        for i, t in mask.nonzero().tolist():
+            w = min(math.exp(lp[i, t].item() - old[i, t].item()), 1 + eps_high)  # sg(...)
+            d = ref[i, t] - lp[i, t]
+            total = total - w * adv[i] * lp[i, t] + beta * (torch.exp(d) - d - 1)
+        return total / n_tokens
+
+    ours = _value_and_grad(lambda lp: clipped_policy_loss(lp, old, adv, mask, "cispo", 0.2,
+                                                          eps_high, ref, beta), logp)
+    theirs = _value_and_grad(written_out, logp)
+    torch.testing.assert_close(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1])
+    assert (ours[1][mask] != 0).all()  # unlike PPO clipping, no token loses its gradient
+    out = clipped_policy_loss(logp, old, adv, mask, "cispo", 0.2, eps_high)
+    r = torch.exp(logp - old)[mask]
+    assert out["clip_frac_high"] == pytest.approx(float((r > 1 + eps_high).double().mean()))
+    assert out["clip_frac_low"] == 0.0 and out["ratio_max"] == pytest.approx(r.max().item())
+
+
+def test_truncated_importance_sampling_token_and_sequence_level():
+    logp, old, _, adv, mask = _off_policy_batch()
+    g = torch.Generator().manual_seed(5)
+    sampler = old + 0.5 * torch.randn(old.shape, generator=g, dtype=torch.float64)
+    cap, eps = 2.0, 0.2
+    w_tok = torch.exp(old - sampler).clamp(max=cap)  # Yao et al. 2025: min(pi_old / pi_vllm, C)
+    assert (w_tok[mask] == cap).any() and (w_tok[mask] < 1).any()  # both regimes are exercised
+
+    def grpo_written_out(lp):  # DeepSeekMath eq. 3, each token's term times its TIS weight
+        total = 0.0
+        for i in range(lp.shape[0]):
+            toks = mask[i].nonzero().flatten().tolist()
+            terms = [w_tok[i, t] * torch.minimum(torch.exp(lp[i, t] - old[i, t]) * adv[i],
+                                                 torch.exp(lp[i, t] - old[i, t])
+                                                 .clamp(1 - eps, 1 + eps) * adv[i]) for t in toks]
+            total = total + sum(terms) / len(terms)
+        return -total / lp.shape[0]
+
+    ours = _value_and_grad(lambda lp: clipped_policy_loss(
+        lp, old, adv, mask, "grpo", eps, sampler_logp=sampler, tis_cap=cap), logp)
+    theirs = _value_and_grad(grpo_written_out, logp)
+    torch.testing.assert_close(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1])
+
+    # gspo: one weight per completion from the same token-mean log-ratio as its ratio
+    m = mask.double()
+    w_seq = torch.exp(((old - sampler) * m).sum(1) / m.sum(1)).clamp(max=cap)
+    ours = _value_and_grad(lambda lp: clipped_policy_loss(
+        lp, old, adv, mask, "gspo", eps, sampler_logp=sampler, tis_cap=cap), logp)
+    theirs = _value_and_grad(lambda lp: _gspo_token_form(lp, old, adv * w_seq, mask, eps, eps),
+                             logp)  # w_seq >= 0 factors out of the min like a scaled advantage
+    torch.testing.assert_close(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1])
+    out = clipped_policy_loss(logp, old, adv, mask, "dapo", sampler_logp=sampler, tis_cap=cap)
+    assert out["tis_weight_mean"] == pytest.approx(w_tok[mask].mean().item())
+    assert clipped_policy_loss(logp, old, adv, mask)["tis_weight_mean"] == 1.0
+    with pytest.raises(ValueError, match="sampler_logp"):
+        clipped_policy_loss(logp, old, adv, mask, tis_cap=cap)
+
+
+def test_off_policy_sequence_mask_deepseek_v32():
+    logp, old, _, adv, mask = _off_policy_batch()
+    old = logp + 0.1 * (old - logp).clamp(-1, 1)  # ratios within the clip range: grads flow
+    # sampler log-probs: completions 0 and 1 drifted (mean log pi_sampler / pi_theta = 0.5),
+    # completions 2 and 3 did not (0.05)
+    drift = torch.tensor([0.5, 0.5, 0.05, 0.05], dtype=torch.float64)[:, None]
+    sampler = logp + drift
+    delta, eps = 0.1, 0.2
+
+    def grpo_written_out(lp):  # DeepSeekMath eq. 3 times M_i (DeepSeek-V3.2)
+        total = 0.0
+        for i in range(lp.shape[0]):
+            toks = mask[i].nonzero().flatten().tolist()
+            kl = sum(sampler[i, t].item() - lp[i, t].item() for t in toks) / len(toks)
+            keep = 0.0 if (adv[i] < 0 and kl > delta) else 1.0
+            terms = [torch.minimum(torch.exp(lp[i, t] - old[i, t]) * adv[i],
+                                   torch.exp(lp[i, t] - old[i, t]).clamp(1 - eps, 1 + eps)
+                                   * adv[i]) for t in toks]
+            total = total + keep * sum(terms) / len(terms)
+        return -total / lp.shape[0]
+
+    kw = dict(sampler_logp=sampler, off_policy_mask_threshold=delta)
+    ours = _value_and_grad(lambda lp: clipped_policy_loss(lp, old, adv, mask, "grpo", eps, **kw),
+                           logp)
+    theirs = _value_and_grad(grpo_written_out, logp)
+    torch.testing.assert_close(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1])
+    # only completion 1 is dropped: negative advantage and drifted (0 is drifted but positive)
+    assert ours[1][1].abs().max() == 0 and ours[1][0].abs().max() > 0
+    out = clipped_policy_loss(logp, old, adv, mask, "grpo", eps, **kw)
+    assert out["off_policy_mask_frac"] == 0.25
+    # per-token advantages (process supervision) broadcast from (B,) give the same loss
+    tok = clipped_policy_loss(logp, old, adv[:, None].expand_as(logp), mask, "grpo", eps, **kw)
+    torch.testing.assert_close(tok["loss"], out["loss"])
+    # without sampler log-probs the KL is taken against old_logp
+    no_sampler = clipped_policy_loss(logp, sampler, adv, mask, "grpo", eps,
+                                     off_policy_mask_threshold=delta)
+    assert no_sampler["off_policy_mask_frac"] == 0.25
+    # sequence-level types: the dropped completion adds nothing
+    seq = _value_and_grad(lambda lp: clipped_policy_loss(lp, old, adv, mask, "gspo", eps, **kw),
+                          logp)
+    keep = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    ref_seq = _value_and_grad(lambda lp: _gspo_token_form(lp, old, adv * keep, mask, eps, eps),
+                              logp)
+    torch.testing.assert_close(seq[0], ref_seq[0])
+    torch.testing.assert_close(seq[1], ref_seq[1])
+
+
+def test_new_loss_types_keep_the_kl_aggregation_of_their_policy_term():
+    logp, old, ref, adv, mask = _off_policy_batch()
+    k3 = k3_kl(logp, ref)
+    for loss_type, like in (("gspo", "grpo"), ("cispo", "dapo")):
+        with_kl = clipped_policy_loss(logp, old, adv, mask, loss_type, ref_logp=ref, beta=0.5)
+        assert with_kl["kl"] == pytest.approx(aggregate_loss(k3, mask, like).item())
+        without = clipped_policy_loss(logp, old, adv, mask, loss_type)
+        assert with_kl["loss"].item() == pytest.approx(without["loss"].item() + 0.5 * with_kl["kl"])
+
+
+# ---------------------------------------------------------------- GDPO multi-reward advantages
+
+def test_group_advantages_multi_gdpo_hand_values():
+    # two reward components (correct, format), weights 1 and 0.5, three groups of G = 4, eps = 0
+    correct = torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    fmt = torch.tensor([[1.0, 1, 1, 1], [1, 0, 1, 0], [0.1, 0.1, 0.1, 0.1]])
+    # group 1: correct mean .25, centred [.75, -.25 x3], unbiased std .5 -> [1.5, -.5, -.5, -.5];
+    #          format all equal -> 0
+    # group 2: correct 0; format mean .5, centred +-.5, std sqrt(1/3) -> +-.866025, x .5 weight
+    # group 3: both components all equal -> exactly 0
+    h = 0.5 * 0.5 / math.sqrt(1 / 3)  # 0.4330127
+    summed = torch.tensor([[1.5, -0.5, -0.5, -0.5], [h, -h, h, -h], [0.0] * 4])
+    out = group_advantages_multi([correct, fmt], [1.0, 0.5], batch_normalize=False, eps=0.0)
+    torch.testing.assert_close(out, summed)
+    # GDPO's batch normalisation: divide by the unbiased std of all 12 values (their mean is 0):
+    # sum of squares 2.25 + 3 x .25 + 4 x .1875 = 3.75 -> std sqrt(3.75 / 11) = 0.583874
+    out = group_advantages_multi([correct, fmt], [1.0, 0.5], eps=0.0)
+    torch.testing.assert_close(out, summed / math.sqrt(3.75 / 11))
+    assert out[2].tolist() == [0.0] * 4  # zero-signal groups stay exactly zero
+    # GRPO on the weighted sum (1.5, .5, .5, .5 in group 1) mixes the components instead
+    grpo = group_advantages(correct + 0.5 * fmt, eps=0.0)
+    assert not torch.allclose(grpo[1], summed[1])
+    # one component, no weights, no batch step: plain group_advantages
+    torch.testing.assert_close(group_advantages_multi([correct], batch_normalize=False),
+                               group_advantages(correct))
+    with pytest.raises(ValueError, match="weights"):
+        group_advantages_multi([correct, fmt], [1.0])
+    with pytest.raises(ValueError, match="one shape"):
+        group_advantages_multi([correct, fmt[:2]])
+
+
+# ---------------------------------------------------------------- log-probs at temperature T
+
+def test_token_logprobs_at_sampling_temperature():
+    model = _tiny_model()
+    ids = torch.tensor([[5, 6, 7, 1, 2, 3, 4], [8, 9, 10, 4, 3, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]).bool()
+    T = 0.7
+    with torch.no_grad():
+        logits = model(ids)  # (B, L, V)
+    ls = torch.log_softmax(logits / T, dim=-1)[:, 2:-1]  # rows predicting the answer tokens
+    expected = ls.gather(-1, ids[:, 3:].unsqueeze(-1)).squeeze(-1) * mask
+    expected_ent = -(ls.exp() * ls).sum(-1) * mask
+    logp, ent = token_logprobs_and_entropy(model, ids, None, 3, mask, chunk_size=3, temperature=T)
+    torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, expected_ent, atol=1e-5, rtol=1e-5)
+    plain, _ = token_logprobs_and_entropy(model, ids, None, 3, mask)
+    assert not torch.allclose(plain, logp)  # T = 1 (default) is a different distribution
+    batch = RolloutBatch(ids, None, 3, mask, torch.tensor([1.0, -1.0]), torch.zeros(1, 2))
+    torch.testing.assert_close(batch_logprobs(model, batch, temperature=T)[0], logp)
+    out = grpo_loss_on_batch(model, batch, temperature=T)
+    assert out["entropy"] == pytest.approx((expected_ent.sum() / mask.sum()).item(), abs=1e-5)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs_and_entropy(model, ids, None, 3, mask, temperature=0.0)
+
+
+# ---------------------------------------------------------------- defects (regression tests)
+
+def test_ratio_statistics_are_none_when_no_token_counts():
+    logp = torch.zeros(2, 3)
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    for loss_type in LOSS_TYPES:
+        out = clipped_policy_loss(logp, logp, torch.tensor([1.0, -1.0]), mask, loss_type)
+        assert out["ratio_max"] is None and out["ratio_mean"] is None, loss_type  # was -inf
+        assert out["clip_frac_low"] == 0.0 and out["clip_frac_high"] == 0.0
+        assert out["loss"].item() == 0.0 and out["pg_loss"] == 0.0
+
+
+def test_equal_non_binary_rewards_give_exactly_zero_advantages():
+    # 7 x 0.1: the float32 mean is not exactly 0.1, which left ~7e-5 after dividing by std + 1e-4
+    rewards = torch.tensor([[0.1] * 7, [0.7] * 7, [1.0, 0, 0, 0, 0, 0, 0]])
+    for scale in ("group", "batch", "none"):
+        adv = group_advantages(rewards, scale)
+        assert adv[:2].abs().max().item() == 0.0, scale
+        assert adv[2].abs().max().item() > 0.5 or scale == "none"
+    assert compute_advantage_stats([0.1] * 7)[0].abs().max().item() == 0.0
+
+
+def test_compute_advantage_stats_single_rollout_is_zero_not_nan():
+    adv, avg, std = compute_advantage_stats([0.7])
+    assert adv.tolist() == [0.0] and avg == 0.0 and std == 0.0
+
+
+def test_all_masked_batch_loss_is_zero_and_backpropagates():
+    model = _tiny_model()
+    ids = torch.tensor([[5, 6, 7, 1, 2], [5, 6, 7, 3, 4]])
+    mask = torch.zeros(2, 2, dtype=torch.bool)  # e.g. every completion truncated and masked
+    batch = RolloutBatch(ids, None, 3, mask, torch.tensor([1.0, -1.0]), torch.zeros(1, 2))
+    ref = torch.zeros(2, 2)
+    for loss_type in LOSS_TYPES:
+        model.zero_grad()
+        out = grpo_loss_on_batch(model, batch, None, ref, loss_type, beta=0.1, entropy_coef=0.01)
+        assert out["loss"].requires_grad and out["loss"].item() == 0.0, loss_type
+        out["loss"].backward()  # raised "element 0 of tensors does not require grad"
+        assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.parameters())
