@@ -7,12 +7,16 @@ fooled breaks a training run hours in. So grading is layered from cheap to expen
 2. equality after `normalize_text` (LaTeX clean-up: `\\dfrac`, `\\left`, `\\text{}`, degrees, ...);
 3. exact rational arithmetic with `fractions.Fraction` on a tree from our own small parser
    (`0.5` = `\\frac12` = `2/4`), no sympy involved;
-4. only then sympy (`\\frac{\\sqrt8}{2}` = `\\sqrt2`, `3+4i` = `4i+3`), in a separate worker process
-   with a hard deadline (see `_SympyWorker`).
+4. only then sympy (`\\frac{\\sqrt8}{2}` = `\\sqrt2`, `3+4i` = `4i+3`, and sets of reals:
+   `(0,36)\\setminus\\{9\\}` = `(0,9)\\cup(9,36)`), in a separate worker process with a hard
+   deadline (see `_SympyWorker`).
+
+Answers with parts (tuples, intervals, matrices, `\\pm`, lists of solutions) are compared part by
+part, so each part still takes the cheapest layer that decides it.
 
 Safety: nothing here calls `eval`, `sympy.sympify` or `sympy.parse_expr` (they evaluate Python, so
 `__import__('os').system(...)` inside `\\boxed{}` would run). Strings are parsed by the recursive
-descent parser below into a tiny tree of numbers, symbols and + - * / ^ sqrt nodes, which is then
+descent parser below into a tiny tree of numbers, symbols, + - * / ^ sqrt and \\sin-like nodes, then
 turned into sympy objects directly. Size limits (input length, nesting depth, power size) reject
 inputs like `9^{9^{9^{9}}}` before any arithmetic is attempted.
 """
@@ -137,6 +141,9 @@ _SIMPLE_REPLACEMENTS = [
     ("\\dfrac", "\\frac"),
     ("\\tfrac", "\\frac"),
     ("{,}", ","),
+    ("±", "\\pm"),
+    ("∓", "\\mp"),
+    ("\\backslash", "\\setminus"),  # A \backslash B is also written for a set difference
 ]
 _REGEX_REPLACEMENTS = [
     (re.compile(r"\\[()\[\]]"), ""),  # \( \) \[ \] math wrappers
@@ -151,6 +158,13 @@ _REGEX_REPLACEMENTS = [
     (re.compile(r"(?<![\w.^/}])(\d+)\s+(\d+)/(\d+)(?![\w.])"), r"(\1+\2/\3)"),
 ]
 _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# 10{,}000, 10,\!000, 10\!000, 10\,000: explicit LaTeX digit grouping, removed even inside a tuple
+_THOUSANDS_MARK_RE = re.compile(r"(?<=\d)(?:\{,\}|,?\\!|\\,)(?=\d{3}(?!\d))")
+# 5.4cents, 12 sq ft: a bare word after a number is a unit. Words need 3+ letters (2x, 3xy, 2pi
+# stay products) unless they are common short units; sqrt/infty are never units.
+_BARE_UNIT_RE = re.compile(
+    r"(?<=[\d}])(?!sqrt|infty)(?:[a-z]{3,}|cm|mm|km|kg|mg|ml|ft|in|yd|mi|hr|oz|lb)(?:\^\{?\d\}?)?$"
+)
 _CMD_SPACE_RE = re.compile(r"(\\[a-zA-Z]+)\s+(?=[a-zA-Z])")
 
 
@@ -159,6 +173,7 @@ def normalize_text(text):
     if not text:
         return ""
     s = _SPECIAL_TOKEN_RE.sub("", str(text)).strip()
+    s = _THOUSANDS_MARK_RE.sub("", s)
     for old, new in _SIMPLE_REPLACEMENTS:
         s = s.replace(old, new)
     s = _UNIT_RE.sub("", s)
@@ -175,7 +190,7 @@ def normalize_text(text):
     # drop whitespace, but keep one space where `\pi r` would otherwise become `\pir`
     s = _CMD_SPACE_RE.sub("\\1\x00", s)
     s = "".join(s.split()).replace("\x00", " ")
-    return s.rstrip(".").lower()
+    return _BARE_UNIT_RE.sub("", s.rstrip(".").lower())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,11 +210,19 @@ _GREEK = {
     "chi", "psi", "omega",
 }  # fmt: skip
 _LETTERS_RE = re.compile(r"[a-zA-Z]+")
+# LaTeX function -> sympy function (a fixed table: no name taken from an answer reaches getattr)
+_FUNCTIONS = {
+    "sin": "sin", "cos": "cos", "tan": "tan", "cot": "cot", "sec": "sec", "csc": "csc",
+    "arcsin": "asin", "arccos": "acos", "arctan": "atan", "sinh": "sinh", "cosh": "cosh",
+    "tanh": "tanh", "log": "log", "ln": "log", "exp": "exp",
+}  # fmt: skip
+# longest first, so that `\sinhx` is sinh(x), not sin(h*x)
+_FUNCTION_RE = re.compile("|".join(sorted(_FUNCTIONS, key=len, reverse=True)))
 _CONSTANT_LETTERS = {"e": "e", "i": "i"}  # Euler's number and the imaginary unit
 
 
 class _Parser:
-    """Recursive descent over + - * / ^, implicit products, ( ) { }, \\frac, \\sqrt, pi, i, e."""
+    """Recursive descent: + - * / ^, implicit products, brackets, \\frac, \\sqrt, \\sin, pi, e."""
 
     def __init__(self, s):
         self.s = s
@@ -329,7 +352,26 @@ class _Parser:
             return ("const", "oo")
         if name in _GREEK:
             return ("sym", name)
+        function = _FUNCTION_RE.match(name)
+        if function:
+            self.i -= len(name) - function.end()  # `\cotx` is `\cot x`: x is the argument
+            return self.function(function.group(0))
         raise _ParseError(f"unsupported command \\{name}")
+
+    def function(self, name):
+        """`\\sin x`, `\\sin{x}`, `\\sin(2x)`, `\\sin 2x`, `\\sin^2 x` after the name."""
+        exponent = None
+        if self.peek() == "^":
+            self.i += 1
+            exponent = self.unary()
+        if self.peek() in ("(", "{"):
+            argument = self.primary()
+        else:  # `\sin 2x` is sin(2x): the argument runs over the implicit product that follows
+            argument = self.power()
+            while self.peek().isalnum():
+                argument = ("mul", argument, self.power())
+        node = ("func", name, argument)
+        return node if exponent is None else ("pow", node, exponent)
 
     def argument(self):
         """A LaTeX macro argument: `{expr}` or a single character (`\\frac12`)."""
@@ -391,6 +433,9 @@ def _exact_value(node):
         return node[1]
     if kind in ("sym", "const"):
         return None
+    if kind == "func":
+        _exact_value(node[2])  # only for the power guards: sin(1) is not rational
+        return None
     if kind == "neg":
         v = _exact_value(node[1])
         return None if v is None else -v
@@ -448,6 +493,8 @@ def _to_sympy(node, sp):
         return {"pi": sp.pi, "e": sp.E, "i": sp.I, "oo": sp.oo}[node[1]]
     if kind == "neg":
         return -_to_sympy(node[1], sp)
+    if kind == "func":
+        return getattr(sp, _FUNCTIONS[node[1]])(_to_sympy(node[2], sp))
     a, b = _to_sympy(node[1], sp), _to_sympy(node[2], sp)
     if kind in _BINARY:
         return _BINARY[kind](a, b)
@@ -456,11 +503,44 @@ def _to_sympy(node, sp):
     return a ** (sp.Integer(1) / b)  # "root"
 
 
+def _sympy_value(s, sp):
+    """sympy object of a normalised scalar answer, through the parser and its size guards."""
+    tree = _parse(s)
+    _exact_value(tree)  # re-run the size guards in this process too
+    return _to_sympy(tree, sp)
+
+
+def _sympy_set(s, sp, depth=0):
+    """sympy set of a normalised answer: intervals, \\{...\\}, \\mathbb{R}, \\cup, \\setminus."""
+    kind, parts = _structure(s)
+    if depth > MAX_NESTING or len(parts) > MAX_PARTS:
+        raise _TooBig("set expression too large")
+    if kind == "union":
+        return sp.Union(*(_sympy_set(p, sp, depth + 1) for p in parts))
+    if kind == "minus":  # A \setminus B \setminus C = (A \setminus B) \setminus C
+        result = _sympy_set(parts[0], sp, depth + 1)
+        for part in parts[1:]:
+            result = sp.Complement(result, _sympy_set(part, sp, depth + 1))
+        return result
+    if kind == "set":
+        return sp.FiniteSet(*(_sympy_value(p, sp) for p in parts))
+    if kind.startswith("seq") and len(parts) == 2:  # in set algebra (a,b) is an interval
+        low, high = (_sympy_value(p, sp) for p in parts)
+        return sp.Interval(low, high, s[0] == "(", s[-1] == ")")
+    if s in _REALS:
+        return sp.Reals
+    if s in _EMPTY_SETS:
+        return sp.EmptySet
+    if kind == "scalar" and s.startswith("(") and _encloses_all(s):
+        return _sympy_set(s[1:-1], sp, depth + 1)  # a group: ((0,1)\cup(2,3))\setminus\{2\}
+    raise _ParseError(f"not a set: {s!r}")
+
+
 def _sympy_compare(a, b, sp):
-    """True iff the two normalised scalar answers are symbolically equal."""
-    ta, tb = _parse(a), _parse(b)
-    _exact_value(ta), _exact_value(tb)  # re-run the size guards in this process too
-    ea, eb = _to_sympy(ta, sp), _to_sympy(tb, sp)
+    """True iff the two normalised answers (scalars, or sets of reals) are symbolically equal."""
+    if _structure(a)[0] in _SET_KINDS or _structure(b)[0] in _SET_KINDS:
+        return _sympy_set(a, sp) == _sympy_set(b, sp)  # sympy puts sets in a canonical form
+    ea, eb = _sympy_value(a, sp), _sympy_value(b, sp)
     if ea == eb:
         return True
     if any(x.has(sp.nan, sp.zoo) for x in (ea, eb)):
@@ -657,6 +737,14 @@ _INT_RE = re.compile(r"\s*[+-]?\d{1,1000}\s*")
 _PLAIN_NUMBER_RE = re.compile(r"[+-]?(?:\d{1,1000}(?:\.\d{0,1000})?|\.\d{1,1000})(?:/\d{1,1000})?")
 _LHS_RE = re.compile(r"^(?:[a-z]|\\[a-z]+)(?:=|\\in(?![a-z]))")
 _OPEN, _CLOSE = "([{", ")]}"
+# \begin{pmatrix}1;2\end{pmatrix} (rows were `\\`, now `;`); vmatrix is a determinant, not here
+_MATRIX_RE = re.compile(r"\\begin\{([pb]?matrix)\}((?:(?!\\(?:begin|end)\{).)*)\\end\{\1\}")
+_PM_RE = re.compile(r"\\(?:pm|mp)(?![a-z])")
+# digits with an optional base subscript: 4210_5, 4210_{5}, a2b_{16}, or bare 4210
+_BASED_RE = re.compile(r"([0-9a-z]{1,100})(?:_\{?(\d{1,2})\}?)?")
+_SET_KINDS = ("union", "minus")  # set algebra: decided as sets of reals when the spelling differs
+_REALS = ("\\mathbb{r}", "\\mathbb r")
+_EMPTY_SETS = ("\\emptyset", "\\varnothing", "\\{\\}")
 
 
 def _plain_fraction(s):
@@ -703,22 +791,47 @@ def _encloses_all(s):
     return False
 
 
+def _matrix_structure(body):
+    """("matrix" + shape, entries) of a matrix body like `1&2;3&4`, so shapes must match."""
+    rows = _split_top_level(body, ";")
+    if len(rows) > 1 and not rows[-1]:
+        rows.pop()  # a trailing `\\` before \end{pmatrix}
+    cells = [_split_top_level(row, "&") for row in rows]
+    shape = ",".join(str(len(row)) for row in cells)
+    return "matrix" + shape, [cell for row in cells for cell in row]
+
+
+def _expand_pm(parts):
+    """`1\\pm\\sqrt2` -> `1+\\sqrt2`, `1-\\sqrt2`: a part with one \\pm stands for both values."""
+    expanded = []
+    for part in parts:
+        if len(_PM_RE.findall(part)) == 1:  # with two or more the intended set is ambiguous
+            expanded += [_PM_RE.sub("+", part), _PM_RE.sub("-", part)]
+        else:
+            expanded.append(part)
+    return expanded
+
+
 def _structure(s):
-    """Split an answer into (kind, parts): scalar, ordered tuple/interval, unordered list, union."""
-    if "\\cup" in s:
-        pieces = _split_top_level(s, "\\cup")
-        if len(pieces) > 1:
-            return "union", pieces
+    """Split an answer into (kind, parts): scalar, tuple/interval, matrix, list, set algebra."""
+    matrix = _MATRIX_RE.fullmatch(s)
+    if matrix:
+        return _matrix_structure(matrix.group(2))
+    for kind, op in zip(_SET_KINDS, ("\\cup", "\\setminus")):  # \cup binds loosest
+        if op in s:
+            pieces = _split_top_level(s, op)
+            if len(pieces) > 1:
+                return kind, pieces
     if s.startswith("\\{") and s.endswith("\\}") and len(s) > 4:
-        return "set", _split_top_level(s[2:-2], ",")
+        return "set", _expand_pm(_split_top_level(s[2:-2], ","))
     if len(s) >= 2 and s[0] in "([" and s[-1] in ")]" and _encloses_all(s):
         parts = _split_top_level(s[1:-1], ",")
         if len(parts) > 1:
             return "seq" + s[0] + s[-1], parts  # brackets must match: (1,2) != [1,2]
-    parts = _split_top_level(s, ",")
+    parts = _expand_pm(_split_top_level(s, ","))
     if len(parts) > 1:
         return "set", parts  # "1, -2": a list of solutions, order does not matter
-    return "scalar", [s]
+    return "scalar", parts
 
 
 def _strip_lhs(s):
@@ -727,10 +840,33 @@ def _strip_lhs(s):
     return s[m.end() :] if m and "=" not in s[m.end() :] else s
 
 
+def _based_equal(ref, pred):
+    """Numbers with a base subscript (4210_5 = 4210_{5}); None if neither answer has one.
+
+    A bare prediction is read in the reference's base (the question asked for that base); a bare
+    reference is decimal, so 4210_5 does not equal a reference of 4210.
+    """
+    ref_m, pred_m = _BASED_RE.fullmatch(ref), _BASED_RE.fullmatch(pred)
+    if not (ref_m and ref_m.group(2) or pred_m and pred_m.group(2)):
+        return None
+    if not (ref_m and pred_m):
+        return False
+    base = int(ref_m.group(2) or 10)
+    if int(pred_m.group(2) or base) != base or not 2 <= base <= 36:
+        return False
+    try:
+        return int(ref_m.group(1), base) == int(pred_m.group(1), base)
+    except ValueError:  # a digit too large for the base, like 4210_3
+        return False
+
+
 def _scalar_equal(a, b, deadline):
-    """Equality of two normalised scalar answers: exact first, sympy last."""
+    """Equality of two normalised scalar answers (a is the reference): exact first, sympy last."""
     if a == b:
         return True
+    based = _based_equal(a, b)
+    if based is not None:
+        return based
     fa, fb = _plain_fraction(a), _plain_fraction(b)
     if fa is not None and fb is not None:
         return fa == fb
@@ -747,7 +883,7 @@ def _scalar_equal(a, b, deadline):
 
 
 def _grade_normalized(a, b, deadline, depth=0):
-    """Compare normalised answers, element-wise for tuples, intervals, sets and unions."""
+    """Compare normalised answers (a is the reference), element-wise where they have parts."""
     a, b = _strip_lhs(a), _strip_lhs(b)
     if a == b:
         return True
@@ -755,11 +891,18 @@ def _grade_normalized(a, b, deadline, depth=0):
         return False
     kind_a, parts_a = _structure(a)
     kind_b, parts_b = _structure(b)
-    if kind_a != kind_b or len(parts_a) != len(parts_b) or len(parts_a) > MAX_PARTS:
-        return False
-    if kind_a == "scalar":
-        return _scalar_equal(a, b, deadline)
-    if kind_a != "set":
+    if kind_a == kind_b and len(parts_a) == len(parts_b) <= MAX_PARTS:
+        if _parts_equal(kind_a, parts_a, parts_b, deadline, depth):
+            return True
+    # one set of reals has many spellings, (0,36)\setminus\{9\} = (0,9)\cup(9,36): sympy decides
+    return (kind_a in _SET_KINDS or kind_b in _SET_KINDS) and _sympy_equal(a, b, deadline)
+
+
+def _parts_equal(kind, parts_a, parts_b, deadline, depth):
+    """Equal parts: in order for tuples, intervals, matrices and set algebra; any order for sets."""
+    if kind == "scalar":
+        return _scalar_equal(parts_a[0], parts_b[0], deadline)
+    if kind != "set":
         return all(_grade_normalized(x, y, deadline, depth + 1) for x, y in zip(parts_a, parts_b))
     unused = list(parts_b)  # unordered: greedy matching is enough as equality is transitive
     for x in parts_a:

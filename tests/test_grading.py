@@ -79,6 +79,68 @@ EQUAL = [
     (r"\text{Evelyn}", "Evelyn"),
     (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\begin{pmatrix}1\\2\end{pmatrix}"),
     (r"\boxed{5}", "5"),  # normalisation does not need to know about \boxed, but 5 == 5 after it
+    # matrices and vectors: entries compared as numbers, any of pmatrix / bmatrix
+    (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\begin{bmatrix} 1 \\ 2 \end{bmatrix}"),
+    (
+        r"\begin{pmatrix}\frac{1}{3} \\ 0.5\end{pmatrix}",
+        r"\begin{pmatrix}1/3 \\ \frac12\end{pmatrix}",
+    ),
+    (
+        r"\begin{pmatrix}1 & 2 \\ 3 & 4\end{pmatrix}",
+        r"\begin{bmatrix}1 & 2 \\ 3 & 4 \\ \end{bmatrix}",
+    ),
+    (
+        r"\begin{pmatrix}-\sqrt{8}/2 \\ 0\end{pmatrix}",
+        r"\begin{pmatrix}-\sqrt{2} \\ 0\end{pmatrix}",
+    ),
+    # base subscripts
+    ("4210_5", "4210_{5}"),
+    ("4210_{10}", "4210"),
+    # thousands separators
+    ("10{,}000", "10000"),
+    (r"10\!000", "10000"),
+    (r"10\,000", "10000"),
+    (r"10\,000\,000", "10,000,000"),
+    ("(10{,}000, 5)", "(10000, 5)"),  # also inside a tuple, where 10,000 would be two entries
+    (r"(10,\!000, 5)", "(10000, 5)"),
+    # \pm: the set of both values
+    (r"1 \pm \sqrt{2}", r"1+\sqrt{2}, 1-\sqrt{2}"),
+    (r"1 \pm \sqrt{2}", r"1-\sqrt{2}, 1+\sqrt{2}"),
+    (r"x = 1 \mp \sqrt{2}", r"1\pm\sqrt2"),
+    (r"\pm 2", "2, -2"),
+    ("1 ± 2", "3, -1"),
+    # trailing units and text after a number
+    (r"5.4 \text{ cents}", "5.4"),
+    ("5.4cents", "5.4"),
+    (r"5.4\text{cents}", "5.4"),
+    ("5.4 cents.", "5.4"),
+    ("12 sq ft", "12"),
+    ("3 cm^2", "3"),
+    # function names, with or without a space or braces
+    (r"\cot x", r"\cotx"),
+    (r"\cot{x}", r"\cot x"),
+    (r"\cot(x)", r"\cotx"),
+    (r"\sin x", r"\sinx"),
+    (r"\cos{x}", r"\cosx"),
+    (r"\tan x", r"\tan(x)"),
+    (r"\sec x", r"\secx"),
+    (r"\csc{x}", r"\cscx"),
+    (r"\log x", r"\logx"),
+    (r"\ln x", r"\lnx"),
+    (r"\sin 2x", r"\sin(2x)"),
+    (r"\sin 2x", r"2\sin x\cos x"),
+    (r"\sin^2 x + \cos^2 x", "1"),
+    (r"\sec x", r"\frac{1}{\cos x}"),
+    (r"\sin\frac{\pi}{6}", r"\frac12"),
+    # intervals and set algebra, compared as sets of reals
+    (r"(0,36) \setminus \{9\}", r"(0,9) \cup (9,36)"),
+    (r"x \in (0,36) \setminus \{9\}", r"(9,36) \cup (0,9)"),
+    (r"(0, 36) \backslash \{9\}", r"(0,9) \cup (9,36)"),
+    (r"(0,1] \cup (1,2)", "(0,2)"),
+    (r"\mathbb{R} \setminus \{0\}", r"(-\infty,0)\cup(0,\infty)"),
+    (r"(-\infty, \frac{1}{2}) \cup (1, \infty)", r"(-\infty, 0.5)\cup(1,\infty)"),
+    (r"((0,1)\cup(2,3))\setminus\{2.5\}", r"(0,1)\cup(2,2.5)\cup(2.5,3)"),
+    (r"\{1,2\}\cup\{3\}", r"\{3,2,1\}"),
 ]
 
 # pairs that must NOT grade equal
@@ -110,6 +172,54 @@ NOT_EQUAL = [
     ("e", "2.718281828"),
     (r"\text{east}", r"\text{seat}"),  # words are not products of letters
     ("abc", "cba"),
+    # matrices: shape and order matter; a determinant (vmatrix) or a tuple is something else
+    (r"\begin{pmatrix} 1 & 2 \end{pmatrix}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),
+    (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\begin{pmatrix} 1 & 2 \end{pmatrix}"),
+    (r"\begin{pmatrix} 2 \\ 1 \end{pmatrix}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),
+    (r"\begin{pmatrix} 1 \\ 2 \\ 3 \end{pmatrix}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),
+    (r"\begin{pmatrix}1 & 3 \\ 2 & 4\end{pmatrix}", r"\begin{pmatrix}1 & 2 \\ 3 & 4\end{pmatrix}"),
+    (r"\begin{pmatrix} 0.333 \\ 2 \end{pmatrix}", r"\begin{pmatrix} \frac13 \\ 2 \end{pmatrix}"),
+    (r"\begin{vmatrix} 1 \\ 2 \end{vmatrix}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),
+    ("(1,2)", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),
+    # base subscripts
+    ("4210_5", "4210_6"),
+    ("4210_{6}", "4210_5"),
+    ("4211", "4210_5"),
+    ("555", "4210_5"),  # the decimal value is not the number written in base 5
+    ("4210_5", "4210"),  # a bare reference is decimal
+    ("4210_{3}", "4210_3"),  # 4 is not a base-3 digit
+    ("10_{0}", "10_0"),
+    ("x_{1}", "x_1"),
+    ("1{,}00", "100"),
+    # \pm needs both values
+    (r"1+\sqrt{2}", r"1 \pm \sqrt{2}"),
+    (r"1 \pm \sqrt{2}", r"1+\sqrt{2}"),
+    (r"1+\sqrt{2}, 1-\sqrt{3}", r"1 \pm \sqrt{2}"),
+    (r"1 \pm \sqrt{2}", r"1 \pm \sqrt{3}"),
+    # only a word after a number is a unit
+    ("x+1", "1"),
+    ("2x", "2"),
+    ("3xy", "3"),
+    ("2pi", "2"),
+    ("5 apples", "6"),
+    ("5.4cents", "5.5"),
+    # functions
+    (r"\tan x", r"\cot x"),
+    (r"\cot x", r"\cot y"),
+    (r"\sin x", "x"),
+    (r"\sinh x", r"\sin x"),
+    (r"\sin 2x", r"2\sin x"),
+    # set algebra: open and closed ends count
+    (r"(0,9) \cup [9,36)", r"(0,36) \setminus \{9\}"),
+    (r"(0,36) \setminus \{9\}", r"(0,9) \cup [9,36)"),
+    (r"(0,36)", r"(0,36) \setminus \{9\}"),
+    (r"(0,36) \setminus \{9\}", r"(0,36)"),
+    (r"[0,1] \cup (1,2)", "(0,2)"),
+    ("(0,2)", r"[0,1] \cup (1,2)"),
+    ("5", r"(0,9)\cup(9,36)"),
+    ("(0,9), (9,36)", r"(0,9)\cup(9,36)"),
+    (r"\mathbb{R} \setminus \{1\}", r"(-\infty,0)\cup(0,\infty)"),
+    (r"\{1,2,3\}\cup(4,5)", r"(1,2,3)\cup(4,5)"),  # a triple is not an interval or a set
 ]
 
 
@@ -122,6 +232,15 @@ def test_equivalent_answers(pred, gt):
 @pytest.mark.parametrize("pred,gt", NOT_EQUAL)
 def test_different_answers(pred, gt):
     assert grade_answer(pred, gt) is False
+
+
+def test_base_subscript_direction():
+    """A bare prediction is read in the reference's base; a bare reference is decimal."""
+    assert grade_answer("4210", "4210_5") is True
+    assert grade_answer("4210", "4210_{5}") is True
+    assert grade_answer("a2b", "A2B_{16}") is True
+    assert grade_answer("4210_5", "4210") is False
+    assert grade_answer("4210_{10}", "4210") is True
 
 
 def test_plain_numbers_never_need_sympy(monkeypatch):
@@ -143,6 +262,17 @@ def test_plain_numbers_never_need_sympy(monkeypatch):
         (r"\sqrt{9}", "3", True),
         ("2^{10}", "1024", True),
         (r"\frac{\pi}{2}", r"\pi/2", True),  # same parse tree
+        (r"\cot x", r"\cotx", True),
+        (
+            r"\begin{pmatrix}\frac{1}{3}\\0.5\end{pmatrix}",
+            r"\begin{pmatrix}1/3\\2/4\end{pmatrix}",
+            True,
+        ),
+        ("4210", "4210_{5}", True),
+        ("4210_5", "4210_6", False),
+        ("(10{,}000, 5)", "(10000, 5)", True),
+        ("1 ± 2", "-1, 3", True),
+        ("5.4cents", "5.4", True),
     ]:
         assert grade_answer(pred, gt) is expected, (pred, gt)
 
@@ -185,6 +315,11 @@ def test_normalize_text():
     assert normalize_text(r"$10,\!000$") == "10000"
     assert normalize_text(r"45^\circ") == "45"
     assert normalize_text(r"\pi r^2") == r"\pi r^2"
+    assert normalize_text(r"(10{,}000, 10\,000, 10,\!000, 10\!000)") == "(10000,10000,10000,10000)"
+    assert normalize_text("5.4 cents") == "5.4"
+    assert normalize_text("12 sq ft") == "12"
+    assert normalize_text("2xy") == "2xy"  # short letter runs are variables, not units
+    assert normalize_text(r"3\sqrt{x}") == r"3\sqrt{x}"
     assert normalize_text("<|im_end|>7.") == "7"
     assert normalize_text(None) == ""
 
@@ -221,6 +356,18 @@ ADVERSARIAL = [
     r"\frac{" * 3_000 + "1" + "}{2}" * 3_000,
     "(1," * 2_000 + "1" + ")" * 2_000,
     ",".join(["1"] * 10_000),
+    r"\sin" * 5_000 + "x",
+    r"\sin^{" * 2_000 + "x" + "}" * 2_000,
+    r"\begin{pmatrix}" + "1&" * 5_000 + r"1\end{pmatrix}",
+    r"\begin{pmatrix}" + "1;" * 60 + r"1\end{pmatrix}",
+    r"(0,1)\cup" * 60 + "(0,1)",
+    r"(0,1)\cup" * 5_000 + "(0,1)",
+    r"\mathbb{R}\setminus" * 60 + r"\{0\}",
+    "(" * 100 + r"(0,1)\cup(2,3)" + ")" * 100,
+    r"(0,9^{9^{9^{9}}})\cup(1,2)",
+    r"\pm" * 5_000 + "1",
+    "1" * 500 + "_5",
+    "1" + r"\!000" * 3_000,
 ]
 
 
