@@ -30,6 +30,12 @@ from reasoning_from_scratch.tiny_world import (
     build_tiny_model,
     format_figures,
 )
+from reasoning_from_scratch.validation import (
+    non_negative_int,
+    positive_float,
+    positive_int,
+    unit_float,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "reasoning_from_scratch" / "assets" / "tiny-arith"
@@ -42,25 +48,25 @@ def main():
     )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT,
                         help="where to write the Hugging Face-layout model files")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=non_negative_int, default=0,
                         help="seed of the corpus, the tokenizer and the model initialisation")
-    parser.add_argument("--steps", type=int, default=4000, help="pretraining steps")
-    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
-    parser.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
-    parser.add_argument("--vocab-size", type=int, default=384,
+    parser.add_argument("--steps", type=positive_int, default=4000, help="pretraining steps")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="sequences per step")
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="peak AdamW learning rate")
+    parser.add_argument("--warmup", type=non_negative_int, default=100, help="linear warmup steps")
+    parser.add_argument("--vocab-size", type=positive_int, default=384,
                         help="maximum BPE vocabulary size (special tokens included)")
-    parser.add_argument("--n-test", type=int, default=200,
+    parser.add_argument("--n-test", type=positive_int, default=200,
                         help="held-out test problems for the final figures")
-    parser.add_argument("--slip-prob-small", type=float, default=SLIP_PROB_SMALL,
+    parser.add_argument("--slip-prob-small", type=unit_float, default=SLIP_PROB_SMALL,
                         help="corpus: probability of forgetting the units carry of a two-digit "
                              "step")
-    parser.add_argument("--slip-prob-large", type=float, default=SLIP_PROB_LARGE,
+    parser.add_argument("--slip-prob-large", type=unit_float, default=SLIP_PROB_LARGE,
                         help="corpus: probability of forgetting the units carry of a three-digit "
                              "step")
-    parser.add_argument("--operand-slip-prob", type=float, default=OPERAND_SLIP_PROB,
+    parser.add_argument("--operand-slip-prob", type=unit_float, default=OPERAND_SLIP_PROB,
                         help="corpus: probability of copying an operand with its digits swapped")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=non_negative_int, default=2, help="torch CPU threads")
     parser.add_argument("--json", type=Path, default=None,
                         help="also write the figures to this JSON file")
     args = parser.parse_args()

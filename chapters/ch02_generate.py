@@ -11,9 +11,16 @@ import time
 
 import torch
 
-from reasoning_from_scratch.device import get_device
+from reasoning_from_scratch.device import device_arg, get_device
 from reasoning_from_scratch.generation import TextStreamer, generate, stop_token_ids
 from reasoning_from_scratch.prompts import render_prompt
+from reasoning_from_scratch.validation import (
+    non_negative_float,
+    non_negative_int,
+    optional_positive_int,
+    positive_int,
+    probability_float,
+)
 from reasoning_from_scratch.weights import load_pretrained
 
 
@@ -30,16 +37,16 @@ def parse_args(argv=None):
                    help="math problem wrapped in the standard prompt (render_prompt)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the text in the tokenizer's chat template (for instruct models)")
-    p.add_argument("--max-new-tokens", type=int, default=128,
+    p.add_argument("--max-new-tokens", type=positive_int, default=128,
                    help="maximum number of tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="sampling temperature; 0 means greedy decoding")
-    p.add_argument("--top-p", type=float, default=1.0,
+    p.add_argument("--top-p", type=probability_float, default=1.0,
                    help="nucleus sampling: keep the smallest token set with this total probability")
-    p.add_argument("--top-k", type=int, default=None,
+    p.add_argument("--top-k", type=optional_positive_int, default=None,
                    help="sample only among the k most likely tokens (None: no limit)")
-    p.add_argument("--seed", type=int, default=123, help="random seed for sampling")
-    p.add_argument("--device", default=None,
+    p.add_argument("--seed", type=non_negative_int, default=123, help="random seed for sampling")
+    p.add_argument("--device", type=device_arg, default=None,
                    help="cuda, mps or cpu (None: the best available)")
     return p.parse_args(argv)
 

@@ -10,9 +10,16 @@ import argparse
 import json
 
 from reasoning_from_scratch.datasets import DATASET_NAMES, load_dataset_by_name
-from reasoning_from_scratch.device import get_device
+from reasoning_from_scratch.device import device_arg, get_device
 from reasoning_from_scratch.evaluation import evaluate
 from reasoning_from_scratch.prompts import render_prompt, render_prompt_with_think_tokens
+from reasoning_from_scratch.validation import (
+    non_negative_float,
+    non_negative_int,
+    optional_positive_int,
+    positive_int,
+    probability_float,
+)
 from reasoning_from_scratch.weights import load_pretrained
 
 PROMPTS = {"standard": render_prompt, "think": render_prompt_with_think_tokens}
@@ -34,22 +41,22 @@ def parse_args(argv=None):
                    help="local JSON/JSONL file to use instead of downloading the dataset")
     p.add_argument("--cache-dir", default=None,
                    help="download cache (None: $RFS_CACHE_DIR or ~/.cache/reasoning_from_scratch)")
-    p.add_argument("--limit", type=int, default=None,
+    p.add_argument("--limit", type=optional_positive_int, default=None,
                    help="evaluate only the first N examples (None: all)")
-    p.add_argument("--batch-size", type=int, default=16,
+    p.add_argument("--batch-size", type=positive_int, default=16,
                    help="number of prompts generated together")
-    p.add_argument("--max-new-tokens", type=int, default=512,
+    p.add_argument("--max-new-tokens", type=positive_int, default=512,
                    help="maximum number of generated tokens per answer")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="sampling temperature; 0 means greedy decoding")
-    p.add_argument("--top-p", type=float, default=1.0,
+    p.add_argument("--top-p", type=probability_float, default=1.0,
                    help="nucleus sampling threshold (only used when temperature > 0)")
     p.add_argument("--prompt", default="standard", choices=sorted(PROMPTS),
                    help="prompt template: standard render_prompt or the <think> variant")
-    p.add_argument("--seed", type=int, default=123, help="random seed for sampling")
+    p.add_argument("--seed", type=non_negative_int, default=123, help="random seed for sampling")
     p.add_argument("--output", default=None,
                    help="JSONL file for the per-example records (None: not written)")
-    p.add_argument("--device", default=None,
+    p.add_argument("--device", type=device_arg, default=None,
                    help="cuda, mps or cpu (None: the best available)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p.parse_args(argv)
@@ -57,10 +64,13 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    examples = load_dataset_by_name(
-        args.dataset, split=args.split, path=args.data_path, cache_dir=args.cache_dir,
-        n=args.limit,
-    )
+    try:
+        examples = load_dataset_by_name(
+            args.dataset, split=args.split, path=args.data_path, cache_dir=args.cache_dir,
+            n=args.limit,
+        )
+    except (ValueError, FileNotFoundError) as err:  # bad file or split: one line, no traceback
+        raise SystemExit(f"error: {err}") from None
     device = get_device(args.device)
     model, tokenizer = load_pretrained(args.model, device=device)
     print(f"model: {args.model} on {device}; dataset: {args.dataset} ({len(examples)} examples)")

@@ -7,7 +7,8 @@ Examples:
 
 import sys
 
-from reasoning_from_scratch.training import GRPOConfig, run_cli
+from reasoning_from_scratch.training import GRPOConfig
+from reasoning_from_scratch.training_cli import run_cli
 
 # Chapter 6's algorithm: loss = -(advantage * summed log-prob).mean() (the "sequence" loss at
 # ratio 1), one update per batch, reward = correctness only.

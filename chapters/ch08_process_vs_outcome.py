@@ -25,7 +25,13 @@ from reasoning_from_scratch.supervision_experiment import (
     PER_RUN,
     run_experiment,
 )
-from reasoning_from_scratch.training import GRPOConfig, add_config_arguments, add_data_arguments
+from reasoning_from_scratch.training import GRPOConfig
+from reasoning_from_scratch.training_cli import (
+    add_config_arguments,
+    add_data_arguments,
+    add_runtime_arguments,
+)
+from reasoning_from_scratch.validation import optional_positive_int, positive_float, positive_int
 
 
 def build_parser():
@@ -38,7 +44,7 @@ def build_parser():
                    help="comma-separated arms: " + ", ".join(ARMS)
                    + " (see reasoning_from_scratch/supervision_experiment.py)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run per arm each")
-    p.add_argument("--eval-points", type=int, default=4,
+    p.add_argument("--eval-points", type=positive_int, default=4,
                    help="evaluate a checkpoint every steps // eval-points steps and at --steps "
                         "(about this many per run), besides the base model at step 0")
     add_data_arguments(p)
@@ -50,10 +56,7 @@ def build_parser():
                    help="train nothing: tabulate and plot the runs already finished")
     p.add_argument("--output-dir", default="runs/ch08-process-vs-outcome",
                    help="experiment directory (run directories, PRM cache, results)")
-    p.add_argument("--device", default=None, help="cuda, mps or cpu (None: the best available)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (0: torch's default; 1 is fastest for the tiny model "
-                        "on a busy machine)")
+    add_runtime_arguments(p)
     g = p.add_argument_group("learned PRM (arm prm)")
     g.add_argument("--prm", default=None,
                    help="directory of a PRM saved by chapters/ch08_train_prm.py (None: train one "
@@ -62,17 +65,17 @@ def build_parser():
     g.add_argument("--prm-labels", default="verifier", choices=("verifier", "mc"),
                    help="labels of the PRM's training steps: exact verifier, or Math-Shepherd "
                         "hard Monte-Carlo values (--mc-rollouts continuations, much slower)")
-    g.add_argument("--prm-train-problems", type=int, default=200,
+    g.add_argument("--prm-train-problems", type=positive_int, default=200,
                    help="train-split problems whose sampled completions train the PRM")
-    g.add_argument("--prm-eval-problems", type=int, default=100,
+    g.add_argument("--prm-eval-problems", type=positive_int, default=100,
                    help="val-split problems for the PRM's held-out step accuracy")
-    g.add_argument("--prm-samples", type=int, default=4,
+    g.add_argument("--prm-samples", type=positive_int, default=4,
                    help="completions sampled per problem for the PRM data")
-    g.add_argument("--prm-max-new-tokens", type=int, default=None,
+    g.add_argument("--prm-max-new-tokens", type=optional_positive_int, default=None,
                    help="tokens per sampled PRM completion (None: --max-new-tokens)")
-    g.add_argument("--prm-epochs", type=int, default=3, help="PRM training epochs")
-    g.add_argument("--prm-lr", type=float, default=1e-3, help="PRM AdamW learning rate")
-    g.add_argument("--prm-batch-size", type=int, default=16, help="PRM records per update")
+    g.add_argument("--prm-epochs", type=positive_int, default=3, help="PRM training epochs")
+    g.add_argument("--prm-lr", type=positive_float, default=1e-3, help="PRM AdamW learning rate")
+    g.add_argument("--prm-batch-size", type=positive_int, default=16, help="PRM records per update")
     g = p.add_argument_group("GRPO settings shared by every arm (GRPOConfig)")
     add_config_arguments(g, GRPOConfig())
     helps = {
@@ -101,9 +104,12 @@ def main(argv=None):
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
         parser.error(f"unknown arm(s) {unknown}; expected some of {list(ARMS)}")
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    if args.eval_points < 1:
-        parser.error("--eval-points must be >= 1")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    if not seeds or min(seeds) < 0:
+        parser.error(f"--seeds: expected non-negative integers, got {args.seeds!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     return run_experiment(args, arms, seeds)

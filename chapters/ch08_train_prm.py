@@ -16,11 +16,14 @@ Examples:
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from reasoning_from_scratch.device import get_device
+from reasoning_from_scratch.device import device_arg, get_device
+from reasoning_from_scratch.prm import CONFIG_FILE as PRM_CONFIG_FILE
 from reasoning_from_scratch.prm import train_prm_on_arithmetic
+from reasoning_from_scratch.validation import non_negative_int, positive_float, positive_int
 from reasoning_from_scratch.weights import load_pretrained
 
 
@@ -31,30 +34,42 @@ def build_parser():
                    help="policy that writes the completions and initialises the PRM backbone")
     p.add_argument("--labels", default="verifier", choices=("verifier", "mc"),
                    help="training labels: exact verifier, or Math-Shepherd Monte-Carlo (hard)")
-    p.add_argument("--train-problems", type=int, default=400, help="training problems")
-    p.add_argument("--eval-problems", type=int, default=150, help="held-out (val) problems")
-    p.add_argument("--samples", type=int, default=4, help="completions sampled per problem")
-    p.add_argument("--max-new-tokens", type=int, default=112, help="tokens per completion")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--mc-rollouts", type=int, default=4,
+    count = positive_int
+    p.add_argument("--train-problems", type=count, default=400, help="training problems")
+    p.add_argument("--eval-problems", type=count, default=150, help="held-out (val) problems")
+    p.add_argument("--samples", type=count, default=4, help="completions sampled per problem")
+    p.add_argument("--max-new-tokens", type=count, default=112, help="tokens per completion")
+    p.add_argument("--temperature", type=positive_float, default=1.0,
+                   help="sampling temperature")
+    p.add_argument("--mc-rollouts", type=count, default=4,
                    help="Monte-Carlo continuations per step prefix (--labels mc)")
-    p.add_argument("--epochs", type=int, default=4, help="PRM training epochs")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--batch-size", type=int, default=16, help="records per PRM update")
-    p.add_argument("--seed", type=int, default=0, help="random seed (sampling, init, order)")
-    p.add_argument("--device", default=None, help="cuda, mps or cpu (None: the best available)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--epochs", type=count, default=4, help="PRM training epochs")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--batch-size", type=count, default=16, help="records per PRM update")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="random seed (sampling, init, order)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="cuda, mps or cpu (None: the best available)")
+    p.add_argument("--threads", type=non_negative_int, default=1,
                    help="torch CPU threads (1 is fastest for the tiny model on a busy machine)")
     p.add_argument("--output-dir", default=None,
-                   help="where the PRM is saved (None: runs/prm-<timestamp>)")
+                   help="where the PRM is saved (None: runs/prm-<timestamp>); must not hold a "
+                        "PRM already, unless --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a PRM already saved in --output-dir")
     return p
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
-    device = get_device(args.device)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     out = args.output_dir or time.strftime("runs/prm-%Y%m%d-%H%M%S")
+    if (Path(out) / PRM_CONFIG_FILE).exists() and not args.overwrite:
+        parser.error(f"{out} already holds a PRM; pass --overwrite to replace it, or choose "
+                     "another --output-dir")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = get_device(args.device)
     policy, tokenizer = load_pretrained(args.model, device=device, dtype=torch.float32)
     return train_prm_on_arithmetic(
         policy, tokenizer, out, labels=args.labels, train_problems=args.train_problems,

@@ -21,6 +21,13 @@ from .arithmetic import (
     slip_result,
     verify_steps,
 )
+from .checkpoints import (
+    check_new_run_dir,
+    checkpoint_problem,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .datasets import (
     fetch_url,
     load_arith,
@@ -29,7 +36,7 @@ from .datasets import (
     load_math500,
     load_math_train,
 )
-from .device import default_dtype, get_device
+from .device import check_device, default_dtype, get_device
 from .evaluation import evaluate, per_level_accuracy, reasoning_stats, step_verdicts
 from .generation import (
     GenerationOutput,
@@ -63,6 +70,7 @@ from .grpo import (
     sequence_logprob_and_entropy,
     token_logprobs_and_entropy,
 )
+from .interrupts import defer_interrupts
 from .plotting import moving_average, plot_grpo_metrics
 from .prm import ProcessRewardModel, load_prm, save_prm, train_prm
 from .process import (
@@ -88,6 +96,7 @@ from .qwen3 import (
     tiny_config,
 )
 from .rewards import reward_format
+from .run_log import MetricsLog, read_metrics
 from .step_scorers import (
     MonteCarloStepScorer,
     PRMStepScorer,
@@ -103,6 +112,7 @@ from .supervision_experiment import (
 )
 from .tokenizer import END_THINK_TOKEN_ID, THINK_TOKEN_ID, Qwen3Tokenizer
 from .training import GRPOConfig, train_grpo
+from .training_cli import load_grpo_data, run_cli
 from .weights import load_pretrained, save_pretrained
 
 __version__ = "0.1.0"

@@ -284,4 +284,8 @@ def load_dataset_by_name(name, split=None, path=None, cache_dir=None, n=None, se
             return load_arith(split or "test", n=n, seed=seed, level_weights=level_weights)
     else:
         raise ValueError(f"unknown dataset {name!r}; choose from {DATASET_NAMES}")
+    if not examples:  # an empty file would "evaluate" to 0/0
+        raise ValueError(f"{path or name}: the dataset holds no examples")
+    if n is not None and n < 1:
+        raise ValueError(f"n must be >= 1 (or None for all examples), got {n}")
     return examples if n is None else examples[:n]

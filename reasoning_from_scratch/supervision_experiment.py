@@ -67,10 +67,13 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from .checkpoints import find_checkpoint
 from .device import get_device
 from .evaluation import evaluate
 from .prm import train_prm_on_arithmetic
-from .training import GRPOConfig, find_checkpoint, load_grpo_data, read_metrics, train_grpo
+from .run_log import read_metrics
+from .training import GRPOConfig, train_grpo
+from .training_cli import load_grpo_data
 from .weights import atomic_write_json, load_pretrained
 
 # arm -> (step scorer spec, process variant; None = --process-variant); "prm" gets its path later
@@ -224,7 +227,7 @@ def run_one(config, settings, base_model, tokenizer, train, held_out, device):
         try:
             same = json.loads(settings_file.read_text()) == settings
             resume = find_checkpoint(run_dir) if same else None
-        except (FileNotFoundError, json.JSONDecodeError):
+        except (FileNotFoundError, ValueError):  # no intact checkpoint: start over
             resume = None
         if resume is None:
             shutil.rmtree(run_dir)

@@ -4,54 +4,62 @@ One optimizer step = sample G rollouts for each of `prompts_per_step` prompts (o
 prefill per prompt), score them, turn rewards into group-relative advantages, then run
 `inner_epochs` AdamW updates on the clipped GRPO loss of that batch. Everything a run produces
 lives in `config.output_dir`: metrics.csv (one row per step), samples.jsonl, checkpoints
-(`checkpoint-<step>/`, loadable with `load_pretrained` and resumable exactly), final/,
-summary.json (incl. the base model's evaluation) and metrics.png.
+(`checkpoint-<step>/`, see checkpoints.py), final/, summary.json (incl. the base model's
+evaluation) and metrics.png. The command-line front end is training_cli.py.
 
-Checkpoints hold no pickles: the model via `save_pretrained`, the AdamW state flattened into
-optimizer.safetensors plus its structure in trainer_state.json, and the RNG states as uint8
-tensors in rng.safetensors.
+Interrupts lose nothing: the update, its metrics row and a checkpoint write are critical
+sections (interrupts.py), and Ctrl-C at any other moment saves `checkpoint-<k>` holding exactly
+k updates, plus whether step k's evaluation was still to run; `resume_from` then continues to
+the same weights and metrics as an uninterrupted run.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import csv
-import io
-import json
 import math
 import random
-import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from tqdm import tqdm
 
+from .checkpoints import (
+    check_new_run_dir,
+    clear_run_dir,
+    load_checkpoint,
+    load_weights_into,
+    save_checkpoint,
+)
 from .evaluation import evaluate
 from .grpo import (
     LOSS_TYPES,
     SCALE_REWARDS,
+    SEQUENCE_LOSS_TYPES,
     RolloutBatch,
     batch_logprobs,
     collect_rollouts,
     grpo_loss_on_batch,
 )
+from .interrupts import defer_interrupts
 from .plotting import plot_grpo_metrics
-from .process import VARIANTS, make_process_advantage_fn
+from .process import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
-from .weights import (
-    atomic_save_safetensors,
-    atomic_write_json,
-    atomic_write_text,
-    load_hf_state_dict,
-    save_pretrained,
+from .run_log import MetricsLog, append_samples, truncate_samples
+from .validation import (
+    at_least,
+    check,
+    finite,
+    in_range,
+    non_negative,
+    optional,
+    positive,
+    probability,
 )
+from .weights import atomic_write_json, save_pretrained
 
 METRIC_COLUMNS = [
     "step", "loss", "pg_loss", "kl", "reward_mean", "reward_std", "correct_mean", "format_mean",
@@ -80,6 +88,26 @@ PLOT_COLUMNS = ["reward_mean", "correct_mean", "format_mean", "eval_accuracy",
 # the levels where the base model still errs, where a group's rollouts disagree and RL has a
 # signal (the held-out splits stay uniform). See the README's recipe search.
 DEFAULT_TRAIN_LEVEL_WEIGHTS = (1.0, 1.0, 2.0, 2.0, 2.0)
+
+
+# A run stops (with a checkpoint of its last finite weights) after this many steps in a row whose
+# loss or gradient was NaN/inf: the updates were skipped, and more of the same will not help.
+MAX_BAD_STEPS = 3
+
+# The valid range of each numeric GRPOConfig field (validation.py); the CLI flags use the same.
+CONFIG_RULES = {
+    "steps": at_least(1), "lr": positive, "warmup_steps": non_negative,
+    "weight_decay": non_negative, "max_grad_norm": positive,
+    "prompts_per_step": at_least(1), "num_rollouts": at_least(2), "max_new_tokens": at_least(1),
+    "temperature": positive, "top_p": probability, "format_reward_weight": non_negative,
+    "mc_rollouts": at_least(1),
+    "epsilon": optional(in_range(0, 1, low_open=True)), "epsilon_high": optional(positive),
+    "beta": non_negative, "entropy_coef": finite, "inner_epochs": at_least(1),
+    "micro_batch_size": optional(at_least(1)), "chunk_size": at_least(1),
+    "eval_every": non_negative, "eval_examples": at_least(1),
+    "eval_max_new_tokens": optional(at_least(1)), "eval_batch_size": at_least(1),
+    "sample_every": non_negative, "checkpoint_every": non_negative, "seed": non_negative,
+}
 
 
 @dataclass
@@ -149,11 +177,8 @@ class GRPOConfig:
         if self.supervision not in ("outcome", "process"):
             raise ValueError(f"supervision must be 'outcome' or 'process', "
                              f"got {self.supervision!r}")
-        if self.num_rollouts < 2:
-            raise ValueError("num_rollouts must be >= 2: advantages compare rollouts of a group")
-        for name in ("steps", "prompts_per_step", "inner_epochs", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, rule in CONFIG_RULES.items():
+            check(name, getattr(self, name), rule)
 
     @classmethod
     def from_dict(cls, d: dict) -> GRPOConfig:
@@ -195,7 +220,7 @@ def rollout_generator(device, seed, step):
 
 def micro_batch_weight(mb, batch, loss_type):
     """Scale of a micro-batch's loss so the accumulated gradient equals the full batch's."""
-    if loss_type == "dapo":  # token mean over the whole batch
+    if loss_type in ("dapo", "cispo"):  # token mean over the whole batch
         return float(mb.completion_mask.sum()) / max(1, float(batch.completion_mask.sum()))
     return mb.size / batch.size  # per-sequence means and dr_grpo's constant divisor
 
@@ -217,143 +242,73 @@ def rollout_metrics(batch: RolloutBatch, reward_names):
     return out
 
 
-class MetricsLog:
-    """metrics.csv, one row per step; rows past a resumed step are dropped on resume."""
-
-    def __init__(self, path: Path, columns, keep_upto: int | None = None):
-        self.path, self.columns = path, list(columns)
-        rows = []
-        if keep_upto is not None and path.exists():
-            with open(path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= keep_upto]
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self.columns)
-            writer.writeheader()
-            writer.writerows(rows)
-
-    def append(self, row: dict):
-        with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=self.columns).writerow(
-                {k: _fmt(row.get(k, "")) for k in self.columns})
-
-
-def _fmt(v):
-    """CSV cell: floats with 6 significant digits, the rest as is."""
-    return f"{v:.6g}" if isinstance(v, float) else v
-
-
-def read_metrics(path) -> list[dict]:
-    """Rows of a metrics.csv as dicts of floats (empty cells become None)."""
-    with open(path, newline="") as f:
-        return [{k: (float(v) if v not in ("", None) else None) for k, v in row.items()}
-                for row in csv.DictReader(f)]
-
-
 # ----------------------------------------------------------------------------------------------
-# Checkpoints (safetensors + JSON, no pickles)
+# The update
 # ----------------------------------------------------------------------------------------------
 
-def _optimizer_to_flat(optimizer):
-    """AdamW state -> ({"state.<param>.<key>": tensor}, JSON-able structure)."""
-    sd = optimizer.state_dict()
-    tensors, structure = {}, {"param_groups": sd["param_groups"], "state": {}}
-    for pid, state in sd["state"].items():
-        entry = {}
-        for key, value in state.items():
-            if torch.is_tensor(value):
-                tensors[f"state.{pid}.{key}"] = value
-                entry[key] = {"tensor": f"state.{pid}.{key}"}
-            else:
-                entry[key] = {"value": value}
-        structure["state"][str(pid)] = entry
-    return tensors, structure
+def _update(model, optimizer, batch, old_logp, ref_logp, config):
+    """One optimizer step on a batch (micro-batched); returns loss stats.
+
+    Skipped (weights and AdamW moments untouched) when the loss or the *clipped* gradient is
+    not finite: the clipped gradient is what the optimizer would apply.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    mbs = config.micro_batch_size or batch.size
+    per_sequence = config.loss_type in SEQUENCE_LOSS_TYPES  # their statistics count completions
+    total_tokens = max(1.0, float(batch.completion_mask.sum()))
+    sums, finite_ = {"ratio_max": None}, True
+    for start in range(0, batch.size, mbs):
+        mb = batch.slice(start, start + mbs)
+        w = micro_batch_weight(mb, batch, config.loss_type)
+        # statistics are means over tokens (or completions): weight by this micro-batch's share
+        w_stat = mb.size / batch.size if per_sequence else \
+            float(mb.completion_mask.sum()) / total_tokens
+        sl = slice(start, start + mbs)
+        out = grpo_loss_on_batch(
+            model, mb, None if old_logp is None else old_logp[sl],
+            None if ref_logp is None else ref_logp[sl], config.loss_type, config.epsilon,
+            config.epsilon_high, config.beta, config.entropy_coef, config.max_new_tokens,
+            config.chunk_size,
+        )
+        loss = out.pop("loss")
+        if not torch.isfinite(loss):
+            finite_ = False
+            break
+        if loss.requires_grad:  # a micro-batch without loss tokens (all masked) has no graph
+            (loss * w).backward()
+        sums["loss"] = sums.get("loss", 0.0) + loss.item() * w
+        for k in ("pg_loss", "kl"):
+            sums[k] = sums.get(k, 0.0) + out[k] * w
+        for k in ("entropy", "ratio_mean", "clip_frac_low", "clip_frac_high"):
+            if out.get(k) is not None:  # None: nothing counted in this micro-batch
+                sums[k] = sums.get(k, 0.0) + out[k] * w_stat
+        if w_stat and out.get("ratio_max") is not None and math.isfinite(out["ratio_max"]):
+            sums["ratio_max"] = max(sums["ratio_max"] or out["ratio_max"], out["ratio_max"])
+    grad_norm = float("nan")
+    if finite_:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                         config.max_grad_norm))
+        finite_ = math.isfinite(grad_norm) and _grads_finite(model)
+    if finite_:
+        optimizer.step()
+        if not _params_finite(model):  # cannot happen with finite clipped gradients and lr
+            raise FloatingPointError("the optimizer step made weights non-finite; nothing was "
+                                     "saved from this step (lower --lr or --max-grad-norm)")
+    else:  # never let a NaN/inf reach the weights or the AdamW moments
+        optimizer.zero_grad(set_to_none=True)
+        sums.setdefault("loss", float("nan"))
+    return {**sums, "grad_norm": grad_norm, "skipped": int(not finite_)}
 
 
-def _optimizer_from_flat(tensors, structure):
-    """Inverse of `_optimizer_to_flat`: a state dict for `optimizer.load_state_dict`."""
-    state = {
-        int(pid): {k: (tensors[v["tensor"]] if "tensor" in v else v["value"])
-                   for k, v in entry.items()}
-        for pid, entry in structure["state"].items()
-    }
-    return {"state": state, "param_groups": structure["param_groups"]}
+def _grads_finite(model) -> bool:
+    """Every gradient finite (after clipping: a NaN max norm would make them NaN)."""
+    return all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+               if p.grad is not None)
 
 
-def _rng_tensors():
-    """Global RNG states (torch CPU, CUDA, Python) as uint8 tensors."""
-    out = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            out[f"torch_cuda_{i}"] = s
-    py = json.dumps(random.getstate()).encode()
-    out["python"] = torch.frombuffer(bytearray(py), dtype=torch.uint8)
-    return out
-
-
-def _restore_rng(tensors):
-    torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
-    state = json.loads(bytes(tensors["python"].tolist()).decode())
-    random.setstate((state[0], tuple(state[1]), state[2]))
-
-
-def save_checkpoint(out_dir, model, tokenizer, optimizer, step, config, extra=None) -> Path:
-    """Write a resumable checkpoint directory atomically (temp dir, then rename)."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, tokenizer, tmp)  # HF layout: load_pretrained(out_dir) works
-    tensors, structure = _optimizer_to_flat(optimizer)
-    atomic_save_safetensors(tensors, tmp / "optimizer.safetensors")
-    atomic_save_safetensors(_rng_tensors(), tmp / "rng.safetensors")
-    atomic_write_json(tmp / "trainer_state.json", {
-        "step": step, "config": asdict(config), "optimizer": structure, **(extra or {}),
-    })
-    if out_dir.exists():
-        old = out_dir.with_name(out_dir.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        out_dir.rename(old)
-        tmp.rename(out_dir)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out_dir)
-    return out_dir
-
-
-def find_checkpoint(path) -> Path:
-    """`path` if it is a checkpoint, else the one with the most steps inside run dir `path`."""
-    path = Path(path)
-    if (path / "trainer_state.json").is_file():
-        return path
-    found = [p for p in [*path.glob("checkpoint-*"), path / "final"]
-             if (p / "trainer_state.json").is_file()]
-    if not found:
-        raise FileNotFoundError(f"no checkpoint (trainer_state.json) in {path} "
-                                f"or in its checkpoint-*/final dirs")
-    return max(found, key=lambda p: json.loads((p / "trainer_state.json").read_text())["step"])
-
-
-def load_checkpoint(path, model, optimizer) -> dict:
-    """Load weights, optimizer and RNG states of a checkpoint in place; returns trainer_state."""
-    path = find_checkpoint(path)
-    state = json.loads((path / "trainer_state.json").read_text())
-    _load_weights(model, path)
-    opt_tensors = load_file(str(path / "optimizer.safetensors"), device=str(model.device))
-    optimizer.load_state_dict(_optimizer_from_flat(opt_tensors, state["optimizer"]))
-    _restore_rng(load_file(str(path / "rng.safetensors")))
-    return state
-
-
-def _load_weights(model, model_dir):
-    """Copy a HF-layout checkpoint's tensors into `model` (tied lm_head may be absent)."""
-    sd = load_hf_state_dict(model_dir, device=model.device, dtype=model.dtype)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"{model_dir}: missing tensors {missing}, unexpected {unexpected}")
+def _params_finite(model) -> bool:
+    """Every parameter finite."""
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,54 +331,55 @@ def _eval_row(figures):
     return {col: figures[k] for k, col in EVAL_COLUMNS.items() if figures.get(k) is not None}
 
 
-def _update(model, optimizer, batch, old_logp, ref_logp, config):
-    """One optimizer step on a batch (micro-batched); returns loss stats; skips non-finite ones."""
-    optimizer.zero_grad(set_to_none=True)
-    mbs = config.micro_batch_size or batch.size
-    sums, finite = {}, True
-    for start in range(0, batch.size, mbs):
-        mb = batch.slice(start, start + mbs)
-        w = micro_batch_weight(mb, batch, config.loss_type)
-        sl = slice(start, start + mbs)
-        out = grpo_loss_on_batch(
-            model, mb, None if old_logp is None else old_logp[sl],
-            None if ref_logp is None else ref_logp[sl], config.loss_type, config.epsilon,
-            config.epsilon_high, config.beta, config.entropy_coef, config.max_new_tokens,
-            config.chunk_size,
+class _Run:
+    """The mutable state of a run that a checkpoint must capture, and its checkpoint writer."""
+
+    def __init__(self, out, model, tokenizer, optimizer, config):
+        self.out, self.model, self.tokenizer = out, model, tokenizer
+        self.optimizer, self.config = optimizer, config
+        self.completed = 0  # optimizer steps applied to the weights (skipped ones included)
+        self.eval_pending = False  # step `completed` is due an evaluation not yet run
+        self.base = self.last_eval = None
+        self.saved = None  # (completed, eval_pending) of the last checkpoint written
+        self.bad_steps = 0  # consecutive steps with a non-finite loss or gradient
+
+    def checkpoint(self, name=None):
+        """Save `checkpoint-<completed>` (or `name`), unless this exact state is saved already."""
+        key = (name, self.completed, self.eval_pending)
+        if key == self.saved:
+            return self.out / (name or f"checkpoint-{self.completed}")
+        path = save_checkpoint(
+            self.out / (name or f"checkpoint-{self.completed}"), self.model, self.tokenizer,
+            self.optimizer, self.completed, self.config,
+            {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
+             "output_dir": str(self.out)},
         )
-        loss = out.pop("loss")
-        if not torch.isfinite(loss):
-            finite = False
-            break
-        (loss * w).backward()
-        sums["loss"] = sums.get("loss", 0.0) + loss.item() * w
-        for k in ("pg_loss", "kl", "entropy", "ratio_mean", "clip_frac_low", "clip_frac_high"):
-            sums[k] = sums.get(k, 0.0) + out[k] * w
-        sums["ratio_max"] = max(sums.get("ratio_max", -math.inf), out["ratio_max"])
-    grad_norm = float("nan")
-    if finite:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                         config.max_grad_norm))
-        finite = math.isfinite(grad_norm)
-    if finite:
-        optimizer.step()
-    else:  # never let a NaN/inf reach the weights or the AdamW moments
-        optimizer.zero_grad(set_to_none=True)
-        sums.setdefault("loss", float("nan"))
-    return {**sums, "grad_norm": grad_norm, "skipped": int(not finite)}
+        self.saved = key
+        return path
 
 
 def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: GRPOConfig,
                resume_from=None, reward_fn=None, advantage_fn: Callable | None = None,
-               prompt_fn=render_prompt) -> dict:
+               prompt_fn=render_prompt, overwrite=False,
+               phase_hook: Callable[[str, int], None] | None = None) -> dict:
     """Train `model` with GRPO on `train_examples`; returns the summary dict (also summary.json).
 
     reward_fn(text, token_ids, prompt_len, example) -> (total, components); default
     `build_reward(tokenizer, format_reward_weight, format_reward_conditional)`.
     advantage_fn: token-level advantages for config.supervision == "process" (see
-    `grpo.collect_rollouts`). resume_from: a checkpoint dir or a run dir (latest checkpoint) to
-    continue exactly where it stopped. Ctrl-C saves a checkpoint before re-raising.
+    `grpo.collect_rollouts`). resume_from: a checkpoint dir or a run dir (its latest intact
+    checkpoint) to continue exactly where it stopped. A new run refuses an output_dir that holds
+    a run unless `overwrite`. Ctrl-C saves a checkpoint before re-raising.
+    phase_hook(phase, step): called as each phase starts ("base_eval", "rollouts", "update",
+    "eval", "checkpoint", "final_eval", "final_save"; step = the update being made or just
+    made); for progress displays and for tests that interrupt a run at a chosen moment.
     """
+    out = Path(config.output_dir)
+    if resume_from is None:
+        if overwrite:
+            clear_run_dir(out)
+        check_new_run_dir(out)
+    hook = phase_hook or (lambda phase, step: None)
     if config.supervision == "process" and advantage_fn is None:
         advantage_fn = make_process_advantage_fn(
             tokenizer, config.step_scorer, config.process_variant, config.step_split,
@@ -431,8 +387,6 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
             mc_max_new_tokens=config.max_new_tokens, mc_temperature=config.temperature,
         )
     t_start = time.time()
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if reward_fn is None:
         reward_fn = build_reward(tokenizer, config.format_reward_weight,
                                  config.format_reward_conditional)
@@ -445,72 +399,115 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     random.seed(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
                                   weight_decay=config.weight_decay)
-    start_step, state = 0, {}
-    if resume_from is not None:
+    run = _Run(out, model, tokenizer, optimizer, config)
+    if resume_from is not None:  # load first: a failed load writes nothing
         state = load_checkpoint(resume_from, model, optimizer)
-        start_step = state["step"]
+        run.completed, run.eval_pending = state["step"], state.get("eval_pending", False)
+        run.base, run.last_eval = state.get("base"), state.get("last_eval")
+        run.saved = (None, run.completed, run.eval_pending)
+    out.mkdir(parents=True, exist_ok=True)
     ref_model = _reference_model(model, tokenizer, out, config, resumed=resume_from is not None)
-
     log = MetricsLog(out / "metrics.csv", columns,
-                     keep_upto=start_step if resume_from is not None else None)
+                     keep_upto=run.completed if resume_from is not None else None)
+    truncate_samples(out / "samples.jsonl", run.completed)
     if resume_from is None:
-        (out / "samples.jsonl").write_text("")
         atomic_write_json(out / "config.json", asdict(config))
-    else:
-        _truncate_samples(out / "samples.jsonl", start_step)
 
-    base = state.get("base")
-    if base is None:
-        base = _evaluate(model, tokenizer, eval_set, device, config, prompt_fn)
-        _print(config, f"base model: held-out {_eval_line(base)} ({len(eval_set)} examples)")
-    last_eval = state.get("last_eval", base)
+    def evaluate_now():
+        return _evaluate(model, tokenizer, eval_set, device, config, prompt_fn)
 
-    def checkpoint(step, name=None):
-        save_checkpoint(out / (name or f"checkpoint-{step}"), model, tokenizer, optimizer, step,
-                        config, {"base": base, "last_eval": last_eval})
-
-    step = start_step
-    bar = tqdm(range(start_step, config.steps), desc="grpo", disable=not config.progress,
-               initial=start_step, total=config.steps)
+    bar = tqdm(total=config.steps, initial=run.completed, desc="grpo",
+               disable=not config.progress)
     try:
-        for step in bar:
-            row = _train_step(model, tokenizer, train_examples, device, config, optimizer,
-                              ref_model, reward_fn, reward_names, advantage_fn, prompt_fn, step,
-                              out)
-            done = step + 1
-            if config.eval_every and done % config.eval_every == 0 and done < config.steps:
-                last_eval = _evaluate(model, tokenizer, eval_set, device, config, prompt_fn)
-                row.update(_eval_row(last_eval))
-            log.append(row)
+        if run.base is None:
+            hook("base_eval", 0)
+            run.base = run.last_eval = evaluate_now()
+            _print(config, f"base model: held-out {_eval_line(run.base)} "
+                           f"({len(eval_set)} examples)")
+        if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
+            _evaluate_step(run, log, evaluate_now, hook)
+        while run.completed < config.steps:
+            step = run.completed
+            hook("rollouts", step + 1)
+            batch, cost = _rollouts(model, tokenizer, train_examples, device, config,
+                                      reward_fn, advantage_fn, prompt_fn, step)
+            with defer_interrupts():  # the update, its row and its samples: all or nothing
+                row = _apply_update(model, optimizer, batch, config, ref_model, reward_names,
+                                    step, cost, hook)
+                log.append(row)
+                if config.sample_every and (step + 1) % config.sample_every == 0:
+                    append_samples(out / "samples.jsonl", step + 1, batch.samples)
+                run.completed = step + 1
+                run.eval_pending = bool(config.eval_every and run.completed % config.eval_every
+                                        == 0 and run.completed < config.steps)
+                run.bad_steps = run.bad_steps + 1 if row["skipped"] else 0
+            bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}",
                             correct=f"{row.get('correct_mean', 0):.2f}",
-                            acc=f"{last_eval['accuracy']:.2f}")
+                            acc=f"{run.last_eval['accuracy']:.2f}")
             _print(config, _row_line(row))
-            if config.checkpoint_every and done % config.checkpoint_every == 0:
-                checkpoint(done)
-            step = done
+            if run.bad_steps >= MAX_BAD_STEPS:
+                _stop_after_bad_steps(run)
+            if run.eval_pending:
+                _evaluate_step(run, log, evaluate_now, hook)
+            if config.checkpoint_every and run.completed % config.checkpoint_every == 0:
+                with defer_interrupts():
+                    hook("checkpoint", run.completed)
+                    run.checkpoint()
+        bar.close()
+        hook("final_eval", run.completed)
+        final = evaluate_now()
+        with defer_interrupts():
+            hook("final_save", run.completed)
+            run.last_eval = final
+            log.patch_last_row(_eval_row(final))
+            run.checkpoint("final")
+            summary = _summary(run, final, len(eval_set), time.time() - t_start)
+            atomic_write_json(out / "summary.json", summary)
+            plot_grpo_metrics(out / "metrics.csv", PLOT_COLUMNS, save_as=out / "metrics.png")
     except KeyboardInterrupt:
-        checkpoint(step)
-        _print(config, f"interrupted: checkpoint saved to {out / f'checkpoint-{step}'}")
+        bar.close()
+        with defer_interrupts():
+            path = run.checkpoint()
+        _print(config, f"interrupted: {path} holds {run.completed} update(s); continue with "
+                       f"--resume {out}")
         raise
-    bar.close()
+    _print(config, f"held-out before: {_eval_line(run.base)}\nheld-out after:  "
+                   f"{_eval_line(final)}\nwrote {out}")
+    return summary
 
-    final = last_eval = _evaluate(model, tokenizer, eval_set, device, config, prompt_fn)
-    _patch_last_row(out / "metrics.csv", columns, _eval_row(final))
-    checkpoint(config.steps, "final")
-    summary = {
+
+def _evaluate_step(run, log, evaluate_now, hook):
+    """The evaluation due after step `run.completed`, written into that step's metrics row."""
+    hook("eval", run.completed)
+    figures = evaluate_now()
+    with defer_interrupts():
+        run.last_eval, run.eval_pending = figures, False
+        log.patch_last_row(_eval_row(figures))
+    _print(run.config, f"step {run.completed}: EVAL {_eval_line(figures)}")
+
+
+def _stop_after_bad_steps(run):
+    """Save the (finite) weights and stop: several updates in a row were NaN/inf and skipped."""
+    with defer_interrupts():
+        path = run.checkpoint()
+    raise FloatingPointError(
+        f"{run.bad_steps} steps in a row had a non-finite loss or gradient and were skipped; "
+        f"stopping. {path} holds the last finite weights; lower --lr or --max-grad-norm, or "
+        f"check the rewards, before resuming")
+
+
+def _summary(run, final, eval_examples, wall_seconds):
+    """summary.json: base and final figures, accuracy per level, run facts."""
+    base = run.base
+    return {
         **{f"{when}_{k}": figures.get(k)
            for k in EVAL_FIGURES for when, figures in (("base", base), ("final", final))},
         "per_level": {lv: {"base": base.get("per_level", {}).get(lv), "final": acc}
                       for lv, acc in final["per_level"].items()},
-        "steps": config.steps, "wall_seconds": time.time() - t_start,
-        "eval_examples": len(eval_set), "output_dir": str(out),
+        "steps": run.config.steps, "wall_seconds": wall_seconds,
+        "eval_examples": eval_examples, "output_dir": str(run.out),
     }
-    atomic_write_json(out / "summary.json", summary)
-    plot_grpo_metrics(out / "metrics.csv", PLOT_COLUMNS, save_as=out / "metrics.png")
-    _print(config, f"held-out before: {_eval_line(base)}\nheld-out after:  {_eval_line(final)}\n"
-                   f"wrote {out}")
-    return summary
 
 
 def _reference_model(model, tokenizer, out, config, resumed):
@@ -520,23 +517,30 @@ def _reference_model(model, tokenizer, out, config, resumed):
     ref = copy.deepcopy(model).eval()
     ref.requires_grad_(False)
     if resumed:
-        _load_weights(ref, out / "reference")
+        load_weights_into(ref, out / "reference")
     else:
         save_pretrained(ref, tokenizer, out / "reference")
     return ref
 
 
-def _train_step(model, tokenizer, examples, device, config, optimizer, ref_model, reward_fn,
-                reward_names, advantage_fn, prompt_fn, step, out):
-    """Rollouts, scoring and `inner_epochs` updates of one step; returns the metrics row."""
-    t0 = time.time()
-    scorer_tokens_before = _scorer_tokens(advantage_fn)
+def _rollouts(model, tokenizer, examples, device, config, reward_fn, advantage_fn, prompt_fn,
+              step):
+    """Sample, score and pack step `step`'s rollouts; returns (batch, cost) where cost has the
+    start time, the rollout seconds and the process scorer's generated tokens."""
+    t0, scorer_before = time.time(), _scorer_tokens(advantage_fn)
     batch = collect_rollouts(
         model, tokenizer, step_prompts(examples, step, config), device, reward_fn,
         config.num_rollouts, config.max_new_tokens, config.temperature, config.top_p,
         rollout_generator(device, config.seed, step), config.scale_rewards,
         config.skip_zero_advantage, config.mask_truncated, prompt_fn, advantage_fn,
     )
+    return batch, {"t0": t0, "rollout_s": time.time() - t0,
+                   "scorer_tokens": _scorer_tokens(advantage_fn) - scorer_before}
+
+
+def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step, cost, hook):
+    """`inner_epochs` updates on a step's batch; returns the step's metrics row."""
+    hook("update", step + 1)
     t1 = time.time()
     lr = lr_at_step(step, config)
     for group in optimizer.param_groups:
@@ -554,21 +558,21 @@ def _train_step(model, tokenizer, examples, device, config, optimizer, ref_model
                   for _ in range(config.inner_epochs)]
         model.eval()
         for k in epochs[0]:
-            vals = [e[k] for e in epochs]
-            row[k] = max(vals) if k in ("ratio_max", "skipped") else sum(vals) / len(vals)
+            vals = [e[k] for e in epochs if e.get(k) is not None]
+            if not vals:
+                row[k] = None
+            elif k in ("ratio_max", "skipped"):
+                row[k] = max(vals)
+            else:
+                row[k] = sum(vals) / len(vals)
         if row["skipped"]:
             _print(config, f"step {step + 1}: non-finite loss or gradient, update skipped")
     else:  # every group had equal rewards: nothing to learn from, no update
         row.update(loss=0.0, pg_loss=0.0, kl=0.0, skipped=0)
     t2 = time.time()
-    row.update(rollout_s=t1 - t0, update_s=t2 - t1, step_time=t2 - t0,
-               tokens_per_s=batch.num_generated_tokens / max(t2 - t0, 1e-9),
-               gen_tokens=batch.num_generated_tokens,
-               scorer_tokens=_scorer_tokens(advantage_fn) - scorer_tokens_before)
-    if config.sample_every and (step + 1) % config.sample_every == 0:
-        with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
-            for s in batch.samples:
-                f.write(json.dumps({"step": step + 1, **s}, ensure_ascii=False) + "\n")
+    row.update(rollout_s=cost["rollout_s"], update_s=t2 - t1, step_time=t2 - cost["t0"],
+               tokens_per_s=batch.num_generated_tokens / max(t2 - cost["t0"], 1e-9),
+               gen_tokens=batch.num_generated_tokens, scorer_tokens=cost["scorer_tokens"])
     return row
 
 
@@ -587,26 +591,6 @@ def _logprobs_no_grad(model, batch, config):
     return torch.cat(parts)
 
 
-def _patch_last_row(path, columns, cells):
-    """Put the final evaluation into the last metrics row (the plot shows it as the last bar)."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if rows:
-        rows[-1].update({k: _fmt(v) for k, v in cells.items()})
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(path, buf.getvalue())
-
-
-def _truncate_samples(path, last_step):
-    """Drop samples.jsonl lines of steps after `last_step` (written after the checkpoint)."""
-    if path.exists():
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-        atomic_write_text(path, "".join(ln for ln in lines if json.loads(ln)["step"] <= last_step))
-
-
 def _row_line(row):
     """One printed line per step."""
     keys = [("reward_mean", "reward"), ("correct_mean", "correct"), ("format_mean", "format"),
@@ -614,8 +598,6 @@ def _row_line(row):
             ("zero_adv_frac", "zero_adv"), ("step_time", "s")]
     parts = [f"step {row['step']}"] + [f"{name} {row[k]:.3f}" for k, name in keys
                                        if isinstance(row.get(k), float)]
-    if "eval_accuracy" in row:
-        parts.append(f"EVAL acc {row['eval_accuracy']:.3f} format {row['eval_format_rate']:.3f}")
     return " | ".join(parts)
 
 
@@ -632,216 +614,3 @@ def _eval_line(figures):
 def _print(config, msg):
     if config.progress:
         tqdm.write(msg)
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line (shared by chapters/ch06_train.py and chapters/ch07_train.py)
-# ----------------------------------------------------------------------------------------------
-
-CONFIG_HELP = {
-    "steps": "optimizer steps (each: rollouts for prompts-per-step prompts, then the update(s))",
-    "lr": "peak AdamW learning rate",
-    "warmup_steps": "steps of linear learning-rate warmup from lr/warmup to lr",
-    "weight_decay": "AdamW weight decay",
-    "max_grad_norm": "clip the gradient norm to this value",
-    "prompts_per_step": "training prompts per optimizer step",
-    "num_rollouts": "G: sampled completions per prompt (one group)",
-    "max_new_tokens": "maximum generated tokens per rollout",
-    "temperature": "rollout sampling temperature",
-    "top_p": "rollout nucleus-sampling threshold",
-    "format_reward_weight": "weight of the <think>...</think> format reward (0: correctness only)",
-    "format_reward_conditional": "pay the format reward only for correct answers",
-    "scale_rewards": "advantage scaling: group std (GRPO), batch std, or none (Dr. GRPO)",
-    "skip_zero_advantage": "drop groups whose rewards are all equal (no learning signal)",
-    "supervision": "outcome (one reward per completion) or process (a reward per reasoning "
-                   "step, DeepSeekMath-style token advantages)",
-    "step_scorer": "process supervision step scorer: verifier | verifier-signed | mc | mc-hard | "
-                   "prm:PATH",
-    "process_variant": "process advantage: sum (DeepSeekMath) | process+outcome | min (PURE) | "
-                       "position",
-    "step_split": "how completions are split into steps: tags | newlines | blank_lines",
-    "mc_rollouts": "Monte-Carlo continuations per step prefix (step-scorer mc)",
-    "loss_type": "grpo: per-sequence token mean; dapo: batch token mean; dr_grpo: sum/(B*max "
-                 "tokens); sequence: the book's summed log-prob ratio",
-    "epsilon": "PPO clip range: ratio clipped to [1-epsilon, 1+epsilon_high] ('none': no clip)",
-    "epsilon_high": "upper clip range (DAPO clip-higher; 'none': same as epsilon)",
-    "beta": "weight of the k3 KL penalty to the frozen starting model (0: no reference model)",
-    "entropy_coef": "entropy bonus coefficient",
-    "mask_truncated": "leave completions cut off at max-new-tokens out of the loss (DAPO)",
-    "inner_epochs": "updates per batch of rollouts (PPO-style; >1 makes the ratio leave 1)",
-    "micro_batch_size": "rollouts per forward/backward pass ('none': the whole batch)",
-    "chunk_size": "answer positions per lm_head chunk in the log-prob pass (memory bound)",
-    "eval_every": "evaluate on the held-out set every N steps (0: only before and after)",
-    "eval_examples": "number of held-out examples for evaluation",
-    "eval_max_new_tokens": "max generated tokens in evaluation ('none': max-new-tokens)",
-    "eval_batch_size": "prompts per batch in evaluation",
-    "sample_every": "append the step's completions to samples.jsonl every N steps (0: never)",
-    "checkpoint_every": "save a resumable checkpoint every N steps (0: only the final one)",
-    "seed": "random seed (prompt order, rollout sampling)",
-    "output_dir": "run directory for metrics, samples, checkpoints, summary and plot",
-    "progress": "show the progress bar and per-step lines",
-}
-
-
-def _optional(kind):
-    """argparse type accepting 'none' for None."""
-    def parse(text):
-        return None if text.lower() == "none" else kind(text)
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def add_config_arguments(parser, defaults: GRPOConfig):
-    """One `--dashed-flag` per GRPOConfig field, with help text and the given defaults."""
-    hints = {"epsilon": float, "epsilon_high": float, "micro_batch_size": int,
-             "eval_max_new_tokens": int}
-    for f in fields(GRPOConfig):
-        if f.name == "output_dir":
-            continue  # the scripts add it with a timestamped default
-        flag, default = "--" + f.name.replace("_", "-"), getattr(defaults, f.name)
-        if isinstance(default, bool):
-            parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
-                                help=CONFIG_HELP[f.name])
-        elif f.name in hints:
-            parser.add_argument(flag, type=_optional(hints[f.name]), default=default,
-                                help=CONFIG_HELP[f.name])
-        else:
-            choices = {"loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
-                       "supervision": ("outcome", "process"), "process_variant": VARIANTS,
-                       "step_split": ("tags", "newlines", "blank_lines")}.get(f.name)
-            parser.add_argument(flag, type=type(default), default=default, choices=choices,
-                                help=CONFIG_HELP[f.name])
-
-
-def add_data_arguments(parser):
-    """--eval-split, --train-examples and --train-level-weights (saved in data.json)."""
-    parser.add_argument("--eval-split", default="test",
-                        help="held-out split for arith (val for tuning, test for reporting)")
-    parser.add_argument("--train-examples", type=int, default=None,
-                        help="use the first N training problems (None: the whole split)")
-    parser.add_argument("--train-level-weights", type=parse_level_weights,
-                        default=DEFAULT_TRAIN_LEVEL_WEIGHTS,
-                        help="arith: mix of difficulty levels 1-5 in the training problems, five "
-                             "comma-separated weights such as 1,1,2,2,2 ('none': uniform, like "
-                             "the held-out splits)")
-
-
-def build_parser(description, defaults: GRPOConfig, run_prefix):
-    """The chapter scripts' parser: model, data, device, resume, and every GRPOConfig field."""
-    from .datasets import DATASET_NAMES
-
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny-arith",
-                   help="bundled model name, local Hugging Face-layout directory or hub repo id")
-    p.add_argument("--dataset", default="arith", choices=DATASET_NAMES,
-                   help="arith: train on the train split, evaluate on --eval-split; math: MATH "
-                        "train / MATH-500; gsm8k: train / test")
-    add_data_arguments(p)
-    p.add_argument("--output-dir", default=None,
-                   help=f"run directory (None: runs/{run_prefix}-<timestamp>)")
-    p.add_argument("--resume", default=None,
-                   help="checkpoint or run directory to continue exactly (takes its settings and "
-                        "data flags; flags given explicitly override them, e.g. --steps)")
-    p.add_argument("--device", default=None, help="cuda, mps or cpu (None: the best available)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="model dtype for training (float32 keeps small AdamW updates exact)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (0: torch's default). One thread is fastest for the "
-                        "tiny model, whose matrices are too small to split, and it stays fast on "
-                        "a busy machine, where spinning worker threads of several processes "
-                        "slowed a rollout batch 90-fold in our measurements")
-    add_config_arguments(p, defaults)
-    return p
-
-
-def parse_level_weights(text):
-    """argparse type: 'none' or five non-negative comma-separated weights, not all zero."""
-    if text.lower() == "none":
-        return None
-    try:
-        weights = [float(w) for w in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected five comma-separated numbers, got {text!r}") from None
-    if len(weights) != 5 or any(not math.isfinite(w) or w < 0 for w in weights) \
-            or not sum(weights):
-        raise argparse.ArgumentTypeError(f"expected five non-negative weights (levels 1-5), "
-                                         f"not all zero, got {text!r}")
-    return weights
-
-
-def load_grpo_data(dataset, train_examples=None, eval_split="test", eval_examples=None,
-                   train_level_weights=None):
-    """(train, held-out) example lists for a dataset name."""
-    from .datasets import load_dataset_by_name
-
-    if train_level_weights is not None and dataset != "arith":
-        raise ValueError("--train-level-weights applies to the arith dataset only")
-    if dataset == "arith":
-        train = load_dataset_by_name("arith", "train", n=train_examples,
-                                     level_weights=train_level_weights)
-        held_out = load_dataset_by_name("arith", eval_split, n=eval_examples)
-    elif dataset in ("math", "math500"):
-        train = load_dataset_by_name("math", n=train_examples)
-        held_out = load_dataset_by_name("math500", n=eval_examples)
-    else:
-        train = load_dataset_by_name(dataset, "train", n=train_examples)
-        held_out = load_dataset_by_name(dataset, "test", n=eval_examples)
-    return train, held_out
-
-
-# saved in data.json, reused on resume
-DATA_FLAGS = ("dataset", "eval_split", "train_examples", "train_level_weights")
-
-
-def run_cli(argv, description, defaults: GRPOConfig, run_prefix):
-    """Parse flags, load model and data, and run `train_grpo`; returns the summary."""
-    from .device import get_device
-    from .weights import load_pretrained
-
-    parser = build_parser(description, defaults, run_prefix)
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    values = {f.name: getattr(args, f.name) for f in fields(GRPOConfig) if f.name != "output_dir"}
-    data = {k: getattr(args, k) for k in DATA_FLAGS}
-    model_source, ckpt = args.model, None
-    if args.resume:  # the run's own settings, except flags given explicitly now
-        ckpt = find_checkpoint(args.resume)
-        explicit = _explicit_flags(argv)
-        saved = json.loads((ckpt / "trainer_state.json").read_text())["config"]
-        values = {**saved, **{k: v for k, v in values.items() if k in explicit}}
-        values["output_dir"] = args.output_dir or saved["output_dir"]
-        saved_data = ckpt.parent / "data.json"
-        if saved_data.is_file():
-            data = {**json.loads(saved_data.read_text()),
-                    **{k: v for k, v in data.items() if k in explicit}}
-        model_source = ckpt
-    else:
-        values["output_dir"] = args.output_dir or time.strftime(f"runs/{run_prefix}-%Y%m%d-%H%M%S")
-    if data["dataset"] != "arith" and "train_level_weights" not in _explicit_flags(argv):
-        data["train_level_weights"] = None  # the level mix is the arithmetic world's default
-    config = GRPOConfig.from_dict(values)
-    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-    atomic_write_json(Path(config.output_dir) / "data.json", data)
-    device = get_device(args.device)
-    model, tokenizer = load_pretrained(model_source, device=device,
-                                       dtype=getattr(torch, args.dtype))
-    train, held_out = load_grpo_data(data["dataset"], data["train_examples"], data["eval_split"],
-                                     config.eval_examples, data.get("train_level_weights"))
-    print(f"model {model_source} on {device}; {len(train)} training problems, {len(held_out)} "
-          f"held-out ({data['dataset']}); run dir {config.output_dir}")
-    summary = train_grpo(model, tokenizer, train, held_out, device, config, resume_from=ckpt)
-    print(json.dumps(summary, indent=2))
-    return summary
-
-
-def _explicit_flags(argv):
-    """Config field names whose flags appear on the command line (to override a resumed run)."""
-    given = set()
-    for arg in (argv if argv is not None else sys.argv[1:]):
-        if arg.startswith("--"):
-            name = arg[2:].split("=")[0].replace("-", "_")
-            given.add(name[3:] if name.startswith("no_") else name)
-    return given

@@ -15,11 +15,12 @@ import json
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .device import default_dtype, get_device
@@ -163,12 +164,39 @@ def resolve_model_dir(name_or_path: PathLike) -> Path:
 # --------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def open_safetensors(path: PathLike, device: str = "cpu"):
+    """`safe_open` whose errors name the file and say what to do (truncated or corrupt files)."""
+    try:
+        handle = safe_open(str(path), framework="pt", device=device)
+    except SafetensorError as err:
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({err}): it is truncated or corrupt, "
+            "e.g. from an interrupted download or copy; download or copy it again (a training "
+            "checkpoint: resume from an earlier checkpoint-* of the run)"
+        ) from None
+    with handle as f:
+        yield f
+
+
+def read_safetensors(path: PathLike, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (errors name the file)."""
+    with open_safetensors(path) as f:
+        return {name: f.get_tensor(name).to(device) for name in f.keys()}
+
+
+def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of floating-point tensors holding NaN or inf."""
+    return [name for name, t in tensors.items()
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
 def checkpoint_index(model_dir: PathLike) -> dict[str, Path]:
     """Map tensor name -> safetensors file holding it (single file or sharded index)."""
     model_dir = Path(model_dir)
     single, index = model_dir / SINGLE_FILE, model_dir / INDEX_FILE
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
@@ -182,7 +210,7 @@ def checkpoint_index(model_dir: PathLike) -> dict[str, Path]:
                     f"shard {shard} listed in {index} is missing; download it from the model's "
                     "Hugging Face repository into the same directory"
                 )
-            with safe_open(str(shard), framework="pt") as f:
+            with open_safetensors(shard) as f:
                 present = set(f.keys())
             for name, fname in weight_map.items():
                 if fname != shard_name:
@@ -208,7 +236,7 @@ def _tensor_shapes(where: dict[str, Path]) -> dict[str, tuple]:
     """Shapes from the safetensors headers, without reading the data."""
     shapes = {}
     for file in sorted(set(where.values())):
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 if where.get(name) == file:
                     shapes[name] = tuple(f.get_slice(name).get_shape())
@@ -219,7 +247,7 @@ def _read_tensors(where: dict[str, Path], device, dtype) -> dict[str, torch.Tens
     """Read tensors file by file, casting each right away so only one extra tensor is alive."""
     out = {}
     for file in sorted(set(where.values())):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 if where.get(name) != file:
                     continue
@@ -306,6 +334,10 @@ def load_model(model_dir: PathLike, device=None, dtype=None) -> Qwen3Model:
     if cfg.tie_word_embeddings:
         where.pop("lm_head.weight", None)
     state = _read_tensors(where, device, dtype)
+    bad = non_finite_tensors(state)
+    if bad:  # loading still works (to inspect the model); generating from it would not
+        warnings.warn(f"{model_dir}: {len(bad)} tensor(s) hold NaN or inf values: "
+                      f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}", stacklevel=2)
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)

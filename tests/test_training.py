@@ -1,4 +1,4 @@
-"""Tests for reasoning_from_scratch.training: update, NaN guard, resume, Ctrl-C, ch07 script."""
+"""Tests for reasoning_from_scratch.training: update, NaN guard, resume, ch06/ch07 scripts."""
 
 import importlib.util
 import json
@@ -7,50 +7,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from reasoning_from_scratch import training
+from reasoning_from_scratch import training, training_cli
+from reasoning_from_scratch.checkpoints import find_checkpoint
 from reasoning_from_scratch.grpo import (
     batch_logprobs,
     collect_rollouts,
     compute_grpo_loss,
     grpo_loss_on_batch,
 )
-from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
-from reasoning_from_scratch.rewards import CompositeReward, RewardTerm
-from reasoning_from_scratch.tiny_world import build_corpus, document_text, train_bpe_tokenizer
-from reasoning_from_scratch.training import (
-    TIMING_COLUMNS,
-    GRPOConfig,
-    find_checkpoint,
-    read_metrics,
-    train_grpo,
-)
-from reasoning_from_scratch.weights import load_pretrained, save_pretrained
+from reasoning_from_scratch.qwen3 import Qwen3Model
+from reasoning_from_scratch.run_log import read_metrics
+from reasoning_from_scratch.training import TIMING_COLUMNS, GRPOConfig, train_grpo
+from reasoning_from_scratch.weights import load_pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [{"problem": f"{a}+{b}", "answer": str(a + b)} for a, b in [(2, 3), (4, 5), (6, 7), (8, 9)]]
 HELD_OUT = [{"problem": "3+4", "answer": "7"}, {"problem": "5+6", "answer": "11"}]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A random-init tiny Qwen3 with a small byte-level BPE tokenizer, saved in HF layout."""
-    out = tmp_path_factory.mktemp("tiny")
-    tok = train_bpe_tokenizer((document_text(d) for d in build_corpus(100, seed=0)),
-                              vocab_size=300, out_dir=out / "tok")
-    torch.manual_seed(0)
-    cfg = tiny_config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                      eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
-    save_pretrained(Qwen3Model(cfg), tok, out / "model")
-    return out / "model"
-
-
-def even_token_reward():
-    """A reward with signal even for a random model: the fraction of even generated token ids."""
-    def frac_even(text, ids, prompt_len, example):
-        gen = ids[prompt_len:]
-        return float((gen % 2 == 0).float().mean()) if gen.numel() else 0.0
-    return CompositeReward([RewardTerm("correct", frac_even)])
 
 
 def _config(tmp_path, **kw):
@@ -61,10 +33,10 @@ def _config(tmp_path, **kw):
     return GRPOConfig(**{**base, **kw})
 
 
-def test_one_update_changes_parameters_and_lowers_loss_on_fixed_batch(tiny_dir):
+def test_one_update_changes_parameters_and_lowers_loss_on_fixed_batch(tiny_dir, even_reward):
     model, tok = load_pretrained(tiny_dir, device="cpu")
     gen = torch.Generator().manual_seed(0)
-    batch = collect_rollouts(model, tok, TRAIN[:2], "cpu", even_token_reward(), num_rollouts=4,
+    batch = collect_rollouts(model, tok, TRAIN[:2], "cpu", even_reward, num_rollouts=4,
                              max_new_tokens=6, generator=gen)
     assert batch.advantages.abs().sum() > 0
     with torch.no_grad():
@@ -80,9 +52,9 @@ def test_one_update_changes_parameters_and_lowers_loss_on_fixed_batch(tiny_dir):
     assert loss_after < loss_before
 
 
-def test_non_finite_loss_skips_update(tiny_dir, monkeypatch):
+def test_non_finite_loss_skips_update(tiny_dir, monkeypatch, even_reward):
     model, tok = load_pretrained(tiny_dir, device="cpu")
-    batch = collect_rollouts(model, tok, TRAIN[:2], "cpu", even_token_reward(), num_rollouts=4,
+    batch = collect_rollouts(model, tok, TRAIN[:2], "cpu", even_reward, num_rollouts=4,
                              max_new_tokens=6, generator=torch.Generator().manual_seed(0))
     real = training.grpo_loss_on_batch
 
@@ -100,9 +72,9 @@ def test_non_finite_loss_skips_update(tiny_dir, monkeypatch):
     assert not opt.state  # AdamW moments untouched
 
 
-def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_dir):
+def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_dir, even_reward):
     model, tok = load_pretrained(tiny_dir, device="cpu")
-    batch = collect_rollouts(model, tok, TRAIN[:2], "cpu", even_token_reward(), num_rollouts=4,
+    batch = collect_rollouts(model, tok, TRAIN[:2], "cpu", even_reward, num_rollouts=4,
                              max_new_tokens=6, generator=torch.Generator().manual_seed(1))
     for loss_type in ("grpo", "dapo", "dr_grpo", "sequence"):
         grads = []
@@ -116,30 +88,30 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_dir):
             torch.testing.assert_close(g1, g2, atol=1e-6, rtol=1e-4)
 
 
-def _run(tiny_dir, config, resume_from=None):
+def _run(tiny_dir, config, reward_fn, resume_from=None):
     model, tok = load_pretrained(tiny_dir, device="cpu")
     return train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", config, resume_from=resume_from,
-                      reward_fn=even_token_reward())
+                      reward_fn=reward_fn)
 
 
 def _strip_timing(rows):
     return [{k: v for k, v in r.items() if k not in TIMING_COLUMNS} for r in rows]
 
 
-def test_resume_continues_exactly(tiny_dir, tmp_path):
+def test_resume_continues_exactly(tiny_dir, tmp_path, even_reward):
     straight = _config(tmp_path / "a")
-    _run(tiny_dir, straight)
+    _run(tiny_dir, straight, even_reward)
     rows_straight = read_metrics(Path(straight.output_dir) / "metrics.csv")
     assert len(rows_straight) == 4
     assert any(r["ratio_max"] != 1.0 for r in rows_straight)  # inner epochs moved the ratio
 
     # 2 steps, then a new process-like start from the checkpoint for the remaining 2
     first = _config(tmp_path / "b", steps=2, checkpoint_every=2)
-    _run(tiny_dir, first)
+    _run(tiny_dir, first, even_reward)
     ckpt = find_checkpoint(first.output_dir)
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 2
     second = _config(tmp_path / "b")  # same run dir, now 4 steps
-    summary = _run(tiny_dir, second, resume_from=first.output_dir)
+    summary = _run(tiny_dir, second, even_reward, resume_from=first.output_dir)
     rows_resumed = read_metrics(Path(second.output_dir) / "metrics.csv")
     assert _strip_timing(rows_resumed) == _strip_timing(rows_straight)
     a = load_pretrained(Path(straight.output_dir) / "final", device="cpu")[0].state_dict()
@@ -147,24 +119,6 @@ def test_resume_continues_exactly(tiny_dir, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert set(summary) >= {"base_accuracy", "final_accuracy", "base_format_rate",
                             "final_format_rate", "steps", "wall_seconds"}
-
-
-def test_ctrl_c_saves_a_checkpoint(tiny_dir, tmp_path, monkeypatch):
-    real, calls = training._train_step, []
-
-    def interrupt_on_second(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(training, "_train_step", interrupt_on_second)
-    config = _config(tmp_path, beta=0.0, inner_epochs=1)
-    with pytest.raises(KeyboardInterrupt):
-        _run(tiny_dir, config)
-    state = json.loads((Path(config.output_dir) / "checkpoint-1" / "trainer_state.json")
-                       .read_text())
-    assert state["step"] == 1
 
 
 def _load_script(name):
@@ -276,13 +230,13 @@ def test_summary_reasoning_figures_come_from_the_verifier(tiny_dir, tmp_path, mo
 def test_train_level_weights_flag_and_data():
     import argparse
 
-    assert training.parse_level_weights("1,1,2,2,2") == [1.0, 1.0, 2.0, 2.0, 2.0]
-    assert training.parse_level_weights("none") is None
+    assert training_cli.parse_level_weights("1,1,2,2,2") == [1.0, 1.0, 2.0, 2.0, 2.0]
+    assert training_cli.parse_level_weights("none") is None
     for bad in ("1,2,3", "1,1,1,1,-1", "0,0,0,0,0", "a,b,c,d,e", "nan,1,1,1,1"):
         with pytest.raises(argparse.ArgumentTypeError):
-            training.parse_level_weights(bad)
-    train, held_out = training.load_grpo_data("arith", 300, "val", 50, [0, 0, 0, 1, 1])
+            training_cli.parse_level_weights(bad)
+    train, held_out = training_cli.load_grpo_data("arith", 300, "val", 50, [0, 0, 0, 1, 1])
     assert {ex["level"] for ex in train} == {4, 5}
     assert len({ex["level"] for ex in held_out}) == 5  # held-out levels stay uniform
     with pytest.raises(ValueError, match="arith"):
-        training.load_grpo_data("gsm8k", 10, train_level_weights=[1, 1, 1, 1, 1])
+        training_cli.load_grpo_data("gsm8k", 10, train_level_weights=[1, 1, 1, 1, 1])

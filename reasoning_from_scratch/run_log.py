@@ -1,0 +1,77 @@
+"""A training run's logs: metrics.csv (one row per optimizer step) and samples.jsonl.
+
+Both are kept consistent with the run's checkpoints: on resume from the checkpoint after step k,
+rows and samples of later steps (written before the interruption) are dropped, so a resumed run's
+logs equal an uninterrupted run's, row for row.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+from .weights import atomic_write_text
+
+
+def format_cell(v):
+    """CSV cell: floats with 6 significant digits, None empty, the rest as is."""
+    if v is None:
+        return ""
+    return f"{v:.6g}" if isinstance(v, float) else v
+
+
+class MetricsLog:
+    """metrics.csv, one row per step; rows past `keep_upto` (a resumed step) are dropped."""
+
+    def __init__(self, path: Path, columns, keep_upto: int | None = None):
+        self.path, self.columns = Path(path), list(columns)
+        rows = []
+        if keep_upto is not None and self.path.exists():
+            with open(self.path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= keep_upto]
+        self._write(rows)
+
+    def append(self, row: dict):
+        """Add one row (missing columns stay empty)."""
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.columns).writerow(
+                {k: format_cell(row.get(k, "")) for k in self.columns})
+
+    def patch_last_row(self, cells: dict):
+        """Fill cells of the last row (an evaluation that finished after the row was written)."""
+        with open(self.path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        if rows:
+            rows[-1].update({k: format_cell(v) for k, v in cells.items()})
+        self._write(rows)
+
+    def _write(self, rows):
+        """Replace the file with a header and `rows`, atomically."""
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=self.columns)
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(self.path, buf.getvalue())
+
+
+def read_metrics(path) -> list[dict]:
+    """Rows of a metrics.csv as dicts of floats (empty cells become None)."""
+    with open(path, newline="") as f:
+        return [{k: (float(v) if v not in ("", None) else None) for k, v in row.items()}
+                for row in csv.DictReader(f)]
+
+
+def append_samples(path, step: int, samples: list[dict]):
+    """Append a step's completions to samples.jsonl, one JSON object per line."""
+    with open(path, "a", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps({"step": step, **s}, ensure_ascii=False) + "\n")
+
+
+def truncate_samples(path, last_step: int):
+    """Keep only samples.jsonl lines of steps <= `last_step` (create the file if missing)."""
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
+    atomic_write_text(path, "".join(ln for ln in lines if json.loads(ln)["step"] <= last_step))

@@ -1,0 +1,259 @@
+"""The chapter 6-7 training scripts' command line: flags for every GRPOConfig field, data flags,
+resume, and `run_cli` (parse, check, load model and data, `train_grpo`).
+
+Every bad value is refused by argparse before anything is written (one line, exit status 2):
+numbers outside their range (the rules live next to GRPOConfig), a device this torch cannot
+use, a new run pointed at a directory that holds one, a resume of a run without an intact
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from .checkpoints import check_new_run_dir, find_checkpoint, read_trainer_state, run_dir_of
+from .datasets import DATASET_NAMES, load_dataset_by_name
+from .device import check_device, device_arg, get_device
+from .grpo import LOSS_TYPES, SCALE_REWARDS
+from .process import VARIANTS
+from .training import CONFIG_RULES, DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
+from .validation import arg_type, at_least, optional_positive_int
+from .weights import atomic_write_json, load_pretrained
+
+CONFIG_HELP = {
+    "steps": "optimizer steps (each: rollouts for prompts-per-step prompts, then the update(s))",
+    "lr": "peak AdamW learning rate",
+    "warmup_steps": "steps of linear learning-rate warmup from lr/warmup to lr",
+    "weight_decay": "AdamW weight decay",
+    "max_grad_norm": "clip the gradient norm to this value",
+    "prompts_per_step": "training prompts per optimizer step",
+    "num_rollouts": "G: sampled completions per prompt (one group)",
+    "max_new_tokens": "maximum generated tokens per rollout",
+    "temperature": "rollout sampling temperature",
+    "top_p": "rollout nucleus-sampling threshold",
+    "format_reward_weight": "weight of the <think>...</think> format reward (0: correctness only)",
+    "format_reward_conditional": "pay the format reward only for correct answers",
+    "scale_rewards": "advantage scaling: group std (GRPO), batch std, or none (Dr. GRPO)",
+    "skip_zero_advantage": "drop groups whose rewards are all equal (no learning signal)",
+    "supervision": "outcome (one reward per completion) or process (a reward per reasoning "
+                   "step, DeepSeekMath-style token advantages)",
+    "step_scorer": "process supervision step scorer: verifier | verifier-signed | mc | mc-hard | "
+                   "prm:PATH",
+    "process_variant": "process advantage: sum (DeepSeekMath) | process+outcome | min (PURE) | "
+                       "position",
+    "step_split": "how completions are split into steps: tags | newlines | blank_lines",
+    "mc_rollouts": "Monte-Carlo continuations per step prefix (step-scorer mc)",
+    "loss_type": "grpo: per-sequence token mean; dapo: batch token mean; dr_grpo: sum/(B*max "
+                 "tokens); sequence: the book's summed log-prob ratio",
+    "epsilon": "PPO clip range: ratio clipped to [1-epsilon, 1+epsilon_high] ('none': no clip)",
+    "epsilon_high": "upper clip range (DAPO clip-higher; 'none': same as epsilon)",
+    "beta": "weight of the k3 KL penalty to the frozen starting model (0: no reference model)",
+    "entropy_coef": "entropy bonus coefficient",
+    "mask_truncated": "leave completions cut off at max-new-tokens out of the loss (DAPO)",
+    "inner_epochs": "updates per batch of rollouts (PPO-style; >1 makes the ratio leave 1)",
+    "micro_batch_size": "rollouts per forward/backward pass ('none': the whole batch)",
+    "chunk_size": "answer positions per lm_head chunk in the log-prob pass (memory bound)",
+    "eval_every": "evaluate on the held-out set every N steps (0: only before and after)",
+    "eval_examples": "number of held-out examples for evaluation",
+    "eval_max_new_tokens": "max generated tokens in evaluation ('none': max-new-tokens)",
+    "eval_batch_size": "prompts per batch in evaluation",
+    "sample_every": "append the step's completions to samples.jsonl every N steps (0: never)",
+    "checkpoint_every": "save a resumable checkpoint every N steps (0: only the final one)",
+    "seed": "random seed (prompt order, rollout sampling)",
+    "output_dir": "run directory for metrics, samples, checkpoints, summary and plot",
+    "progress": "show the progress bar and per-step lines",
+}
+
+
+CHOICES = {"loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
+           "supervision": ("outcome", "process"), "process_variant": VARIANTS,
+           "step_split": ("tags", "newlines", "blank_lines")}
+# fields whose default is None: their value type ('none' on the command line gives None)
+OPTIONAL_TYPES = {"epsilon": float, "epsilon_high": float, "micro_batch_size": int,
+                  "eval_max_new_tokens": int}
+
+
+def add_config_arguments(parser, defaults: GRPOConfig):
+    """One `--dashed-flag` per GRPOConfig field, with help text, defaults and range checks."""
+    for f in fields(GRPOConfig):
+        if f.name == "output_dir":
+            continue  # the scripts add it with a timestamped default
+        flag, default = "--" + f.name.replace("_", "-"), getattr(defaults, f.name)
+        if isinstance(default, bool):
+            parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
+                                help=CONFIG_HELP[f.name])
+            continue
+        kind = OPTIONAL_TYPES.get(f.name, type(default))
+        value_type = kind
+        if kind in (int, float):
+            value_type = arg_type(kind, CONFIG_RULES.get(f.name), f.name in OPTIONAL_TYPES)
+        parser.add_argument(flag, type=value_type, default=default, choices=CHOICES.get(f.name),
+                            help=CONFIG_HELP[f.name])
+
+
+def add_data_arguments(parser):
+    """--eval-split, --train-examples and --train-level-weights (saved in data.json)."""
+    parser.add_argument("--eval-split", default="test", choices=("test", "val"),
+                        help="held-out split for arith (val for tuning, test for reporting)")
+    parser.add_argument("--train-examples", type=optional_positive_int,
+                        default=None,
+                        help="use the first N training problems (None: the whole split)")
+    parser.add_argument("--train-level-weights", type=parse_level_weights,
+                        default=DEFAULT_TRAIN_LEVEL_WEIGHTS,
+                        help="arith: mix of difficulty levels 1-5 in the training problems, five "
+                             "comma-separated weights such as 1,1,2,2,2 ('none': uniform, like "
+                             "the held-out splits)")
+
+
+def add_runtime_arguments(parser, threads_default=1):
+    """--device (checked against this torch) and --threads, shared by the training scripts."""
+    parser.add_argument("--device", type=device_arg, default=None,
+                        help="cuda, mps or cpu (None: the best available)")
+    parser.add_argument("--threads", type=arg_type(int, at_least(0)), default=threads_default,
+                        help="torch CPU threads (0: torch's default). One thread is fastest for "
+                             "the tiny model, whose matrices are too small to split, and it "
+                             "stays fast on a busy machine, where spinning worker threads of "
+                             "several processes slowed a rollout batch 90-fold in our "
+                             "measurements")
+
+
+def build_parser(description, defaults: GRPOConfig, run_prefix):
+    """The chapter scripts' parser: model, data, device, resume, and every GRPOConfig field."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="tiny-arith",
+                   help="bundled model name, local Hugging Face-layout directory or hub repo id")
+    p.add_argument("--dataset", default="arith", choices=DATASET_NAMES,
+                   help="arith: train on the train split, evaluate on --eval-split; math: MATH "
+                        "train / MATH-500; gsm8k: train / test")
+    add_data_arguments(p)
+    p.add_argument("--output-dir", default=None,
+                   help=f"run directory (None: runs/{run_prefix}-<timestamp>); must not hold a "
+                        "run already, unless --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --output-dir (its metrics, samples and "
+                        "checkpoints are deleted once the model and data have loaded)")
+    p.add_argument("--resume", default=None,
+                   help="run directory (its latest intact checkpoint) or checkpoint directory to "
+                        "continue exactly, in that run directory wherever it now is; takes the "
+                        "run's settings and data flags (flags given explicitly override them, "
+                        "e.g. --steps)")
+    add_runtime_arguments(p)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="model dtype for training (float32 keeps small AdamW updates exact)")
+    add_config_arguments(p, defaults)
+    return p
+
+
+def parse_level_weights(text):
+    """argparse type: 'none' or five non-negative comma-separated weights, not all zero."""
+    if text.lower() == "none":
+        return None
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected five comma-separated numbers, got {text!r}") from None
+    if len(weights) != 5 or any(not math.isfinite(w) or w < 0 for w in weights) \
+            or not sum(weights):
+        raise argparse.ArgumentTypeError(f"expected five non-negative weights (levels 1-5), "
+                                         f"not all zero, got {text!r}")
+    return weights
+
+
+def load_grpo_data(dataset, train_examples=None, eval_split="test", eval_examples=None,
+                   train_level_weights=None):
+    """(train, held-out) example lists for a dataset name."""
+    if train_level_weights is not None and dataset != "arith":
+        raise ValueError("--train-level-weights applies to the arith dataset only")
+    if dataset == "arith":
+        train = load_dataset_by_name("arith", "train", n=train_examples,
+                                     level_weights=train_level_weights)
+        held_out = load_dataset_by_name("arith", eval_split, n=eval_examples)
+    elif dataset in ("math", "math500"):
+        train = load_dataset_by_name("math", n=train_examples)
+        held_out = load_dataset_by_name("math500", n=eval_examples)
+    else:
+        train = load_dataset_by_name(dataset, "train", n=train_examples)
+        held_out = load_dataset_by_name(dataset, "test", n=eval_examples)
+    return train, held_out
+
+
+# saved in data.json, reused on resume
+DATA_FLAGS = ("dataset", "eval_split", "train_examples", "train_level_weights")
+
+
+def resolve_run(parser, args, argv, run_prefix):
+    """(GRPOConfig, data flags, model source, checkpoint or None) for the parsed flags; refuses
+    (parser.error, exit 2) anything that would fail later, before a file is written."""
+    explicit = _explicit_flags(argv)
+    values = {f.name: getattr(args, f.name) for f in fields(GRPOConfig) if f.name != "output_dir"}
+    data = {k: getattr(args, k) for k in DATA_FLAGS}
+    try:
+        if args.device:
+            check_device(args.device)
+        if args.resume:  # the run's own settings, except flags given explicitly now
+            ckpt = find_checkpoint(args.resume)
+            run_dir = run_dir_of(ckpt)
+            if args.output_dir and Path(args.output_dir).resolve() != run_dir:
+                parser.error(f"--resume continues in the run's own directory {run_dir}; "
+                             "leave out --output-dir")
+            saved = read_trainer_state(ckpt)["config"]
+            values = {**saved, **{k: v for k, v in values.items() if k in explicit},
+                      "output_dir": str(run_dir)}
+            if (run_dir / "data.json").is_file():
+                data = {**json.loads((run_dir / "data.json").read_text()),
+                        **{k: v for k, v in data.items() if k in explicit}}
+            source = ckpt
+        else:
+            ckpt, source = None, args.model
+            values["output_dir"] = args.output_dir or time.strftime(
+                f"runs/{run_prefix}-%Y%m%d-%H%M%S")
+            if not args.overwrite:
+                check_new_run_dir(values["output_dir"])
+        if data["dataset"] != "arith" and "train_level_weights" not in explicit:
+            data["train_level_weights"] = None  # the level mix is the arithmetic world's default
+        config = GRPOConfig.from_dict(values)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        parser.error(str(err))
+    return config, data, source, ckpt
+
+
+def run_cli(argv, description, defaults: GRPOConfig, run_prefix):
+    """Parse flags, load model and data, and run `train_grpo`; returns the summary."""
+    parser = build_parser(description, defaults, run_prefix)
+    args = parser.parse_args(argv)
+    config, data, model_source, ckpt = resolve_run(parser, args, argv, run_prefix)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = get_device(args.device)
+    model, tokenizer = load_pretrained(model_source, device=device,
+                                       dtype=getattr(torch, args.dtype))
+    train, held_out = load_grpo_data(data["dataset"], data["train_examples"], data["eval_split"],
+                                     config.eval_examples, data.get("train_level_weights"))
+    print(f"model {model_source} on {device}; {len(train)} training problems, {len(held_out)} "
+          f"held-out ({data['dataset']}); run dir {config.output_dir}")
+    # written only now that model and data loaded (a failed start leaves the directory as it was)
+    atomic_write_json(Path(config.output_dir) / "data.json", data)
+    summary = train_grpo(model, tokenizer, train, held_out, device, config, resume_from=ckpt,
+                         overwrite=args.overwrite)
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
+def _explicit_flags(argv):
+    """Config field names whose flags appear on the command line (to override a resumed run)."""
+    given = set()
+    for arg in (argv if argv is not None else sys.argv[1:]):
+        if arg.startswith("--"):
+            name = arg[2:].split("=")[0].replace("-", "_")
+            given.add(name[3:] if name.startswith("no_") else name)
+    return given
