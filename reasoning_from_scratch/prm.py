@@ -23,7 +23,6 @@ evaluate on held-out steps, save), for `chapters/ch08_train_prm.py` and the chap
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Sequence
@@ -33,8 +32,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .interrupts import defer_interrupts
 from .process import split_steps, step_texts, token_step_owners
 from .qwen3 import Qwen3Config, Qwen3Model
+from .tokenizer import read_json
 
 HEAD_FILE = "prm_head.safetensors"
 CONFIG_FILE = "prm_config.json"
@@ -257,18 +258,16 @@ def save_prm(prm: ProcessRewardModel, tokenizer, out_dir) -> Path:
 
 def load_prm(path, device=None, dtype=None) -> tuple[ProcessRewardModel, object]:
     """(prm, tokenizer) saved by `save_prm`; the PRM is in eval mode."""
-    from safetensors.torch import load_file
-
-    from .weights import load_pretrained
+    from .weights import load_pretrained, read_safetensors
 
     path = Path(path)
     cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: not a directory written by save_prm")
-    meta = json.loads(cfg_path.read_text())
+    meta = read_json(cfg_path)
     backbone, tokenizer = load_pretrained(path, device=device, dtype=dtype)
     prm = ProcessRewardModel(backbone=backbone)
-    head = load_file(str(path / meta.get("head_file", HEAD_FILE)))
+    head = read_safetensors(path / meta.get("head_file", HEAD_FILE))
     if head["weight"].shape != prm.score_head.weight.shape:
         raise ValueError(f"{path / HEAD_FILE}: head weight shape {tuple(head['weight'].shape)} "
                          f"does not match hidden_size {prm.cfg.hidden_size}")
@@ -420,9 +419,18 @@ def train_prm_on_arithmetic(policy, tokenizer, out_dir, labels: str = "verifier"
     prm = ProcessRewardModel.from_pretrained_backbone(policy).to(device or policy.device)
     before = evaluate_prm(prm, tokenizer, eval_records)
     t1 = time.time()
-    losses = train_prm(prm, tokenizer, train_records, epochs=epochs, lr=lr,
-                       batch_size=batch_size, seed=seed,
-                       log_every=max(1, len(train_records) // batch_size))
+    try:
+        losses = train_prm(prm, tokenizer, train_records, epochs=epochs, lr=lr,
+                           batch_size=batch_size, seed=seed,
+                           log_every=max(1, len(train_records) // batch_size))
+    except KeyboardInterrupt:  # keep what was trained: a loadable PRM, marked as unfinished
+        with defer_interrupts():
+            save_prm(prm, tokenizer, out / "interrupted")
+            atomic_write_json(out / "interrupted" / "prm_report.json",
+                              {**report, "interrupted": True})
+        log(f"interrupted: the partly trained PRM is in {out / 'interrupted'} (rerun to finish; "
+            "the data are regenerated identically from the seed)")
+        raise
     train_seconds = time.time() - t1
     held_out = evaluate_prm(prm, tokenizer, eval_records)
     report.update({

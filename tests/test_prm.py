@@ -162,3 +162,36 @@ def test_ch08_train_prm_script_smoke(tokenizer, tmp_path):
     assert (tmp_path / "prm" / "prm_report.json").is_file()
     prm, _ = load_prm(tmp_path / "prm", device="cpu")
     assert isinstance(prm, ProcessRewardModel)
+
+
+def test_ch08_train_prm_refuses_reuse_and_keeps_an_interrupted_prm(tokenizer, tmp_path,
+                                                                   monkeypatch, capsys):
+    """A second run into the same --output-dir is refused; Ctrl-C mid-training saves a PRM."""
+    from reasoning_from_scratch import prm as prm_module
+    from reasoning_from_scratch.weights import save_pretrained
+
+    torch.manual_seed(0)
+    save_pretrained(Qwen3Model(tiny_config(vocab_size=tokenizer.vocab_size, num_hidden_layers=1)),
+                    tokenizer, tmp_path / "policy")
+    script = _load_chapter("ch08_train_prm")
+    flags = ["--model", str(tmp_path / "policy"), "--train-problems", "2", "--eval-problems", "2",
+             "--samples", "1", "--max-new-tokens", "6", "--epochs", "1", "--device", "cpu",
+             "--threads", "0", "--output-dir", str(tmp_path / "prm")]
+    real, calls = prm_module.train_prm, []
+
+    def interrupted(prm, *args, **kwargs):
+        calls.append(1)
+        with torch.no_grad():
+            prm.score_head.weight.add_(1.0)  # "trained" a little, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prm_module, "train_prm", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        script.main(flags)
+    saved, _ = load_prm(tmp_path / "prm" / "interrupted", device="cpu")
+    assert calls and isinstance(saved, ProcessRewardModel)
+    monkeypatch.setattr(prm_module, "train_prm", real)
+    script.main(flags)  # the finished PRM goes into --output-dir itself
+    with pytest.raises(SystemExit) as exc:
+        script.main(flags)
+    assert exc.value.code == 2 and "--overwrite" in capsys.readouterr().err
