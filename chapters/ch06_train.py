@@ -7,15 +7,12 @@ Examples:
 
 import sys
 
-from reasoning_from_scratch.training import GRPOConfig
+from reasoning_from_scratch.training import CHAPTER6_RECIPE, GRPOConfig
 from reasoning_from_scratch.training_cli import run_cli
 
-# Chapter 6's algorithm: loss = -(advantage * summed log-prob).mean() (the "sequence" loss at
-# ratio 1), one update per batch, reward = correctness only.
-CH06_DEFAULTS = GRPOConfig(
-    loss_type="sequence", epsilon=None, epsilon_high=None, beta=0.0, format_reward_weight=0.0,
-    format_reward_conditional=False, skip_zero_advantage=False, inner_epochs=1,
-)
+# Chapter 6's algorithm (see CHAPTER6_RECIPE): the book's sequence loss, no clipping, no KL,
+# correctness reward only.
+CH06_DEFAULTS = GRPOConfig(**CHAPTER6_RECIPE)
 
 
 def main(argv=None):

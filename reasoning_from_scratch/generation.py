@@ -49,6 +49,9 @@ class GenerationOutput:
     completion_mask: torch.Tensor  # (B*, T_new) bool, True for generated tokens incl. EOS
     lengths: torch.Tensor  # (B*,) number of real completion tokens
     truncated: torch.Tensor  # (B*,) bool, True if no EOS before max_new_tokens
+    # (B*, T_new) log-prob of each sampled token under softmax(logits / T), the sampler's own
+    # record (for truncated importance sampling); None unless return_logprobs
+    logprobs: torch.Tensor | None = None
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Rollouts:
     texts: list[str]  # decoded completions, special tokens kept, EOS stripped
     lengths: torch.Tensor  # (G,)
     truncated: torch.Tensor  # (G,) bool
+    logprobs: torch.Tensor | None = None  # (G, T) sampler log-probs (return_logprobs), else None
 
     @property
     def prompt_len(self) -> int:
@@ -152,6 +156,7 @@ def generate(
     num_return_sequences: int = 1,
     pad_token_id: int | None = None,
     callback: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    return_logprobs: bool = False,
 ) -> GenerationOutput:
     """Batched KV-cache decoding of `input_ids` (B, P), left padded per `attention_mask`.
 
@@ -160,7 +165,8 @@ def generate(
     finished or after `max_new_tokens`. With `num_return_sequences=G` the prompt is prefilled
     once and the cache expanded to G rows per prompt (rows b*G..b*G+G-1 belong to prompt b).
     `callback(new_tokens (B*,), is_real (B*,))`, if given, is called after every step
-    (used for streaming).
+    (used for streaming). `return_logprobs` records log softmax(logits / T) of every chosen token
+    (T = temperature, 1 for greedy; before top-p/top-k, the distribution the trainer sees).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -179,6 +185,7 @@ def generate(
 
     tokens: list[torch.Tensor] = []
     real: list[torch.Tensor] = []
+    logps: list[torch.Tensor] = []
     finished = torch.zeros(BG, dtype=torch.bool, device=dev)
     if max_new_tokens > 0:
         cache = KVCache(model.cfg.num_hidden_layers)
@@ -188,6 +195,9 @@ def generate(
             logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
         for step in range(max_new_tokens):
             nxt = sample_next_token(logits, temperature, top_p, top_k, generator)  # (B*,)
+            if return_logprobs:
+                scaled = logits.float() / (temperature if temperature and temperature > 0 else 1)
+                logps.append(torch.log_softmax(scaled, -1).gather(-1, nxt[:, None])[:, 0])
             is_real = ~finished
             nxt = torch.where(is_real, nxt, torch.full_like(nxt, pad_token_id))
             tokens.append(nxt)
@@ -213,6 +223,8 @@ def generate(
         completion_mask=completion_mask,
         lengths=completion_mask.sum(dim=1),
         truncated=~finished,
+        logprobs=(torch.stack(logps, dim=1) * completion_mask if logps else
+                  torch.zeros(completion_mask.shape, device=dev)) if return_logprobs else None,
     )
 
 
@@ -320,11 +332,13 @@ def sample_rollouts_batch(
     top_p: float = 0.9,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    return_logprobs: bool = False,
 ) -> list[Rollouts]:
     """G completions of each of N prompts, all decoded as one (N*G)-row batch.
 
     Each prompt is prefilled once (left padded among the N) and its cache row repeated G times,
-    so a GRPO step with several prompts runs one decoding loop instead of N.
+    so a GRPO step with several prompts runs one decoding loop instead of N. `return_logprobs`:
+    each Rollouts also carries the sampler's token log-probs (see `generate`).
     """
     encoded, out, texts = _generate_from_texts(
         model,
@@ -337,6 +351,7 @@ def sample_rollouts_batch(
         top_p=top_p,
         top_k=top_k,
         generator=generator,
+        return_logprobs=return_logprobs,
     )
     groups = []
     for n, ids in enumerate(encoded):
@@ -352,6 +367,7 @@ def sample_rollouts_batch(
                 texts=texts[rows],
                 lengths=lengths,
                 truncated=out.truncated[rows],
+                logprobs=None if out.logprobs is None else out.logprobs[rows, :T],
             )
         )
     return groups

@@ -32,16 +32,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .generation import sample_rollouts_batch
 from .process import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
+from .tokenizer import pad_id_of
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "sequence", "gspo", "cispo")
 SEQUENCE_LOSS_TYPES = ("sequence", "gspo")  # one ratio per completion; need (B,) advantages
 SCALE_REWARDS = ("group", "batch", "none")
+REWARD_NORMALIZATIONS = ("sum", "per_reward")  # GRPO's summed reward, GDPO's per-term
+KL_ESTIMATORS = ("k3", "sequence")  # per-token k3 (DeepSeekMath), the book's sequence-level
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,7 +394,7 @@ def _clip_stats(ratio, adv, count, loss_type, epsilon, high):
 def clipped_policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsilon=0.2,
                         epsilon_high=None, ref_logp=None, beta=0.0, entropy=None,
                         entropy_coef=0.0, max_completion_length=None, sampler_logp=None,
-                        tis_cap=None, off_policy_mask_threshold=None):
+                        tis_cap=None, off_policy_mask_threshold=None, kl_estimator="k3"):
     """GRPO loss = -surrogate + beta x KL - entropy_coef x entropy, and detached statistics.
 
     logp/old_logp/ref_logp/entropy/sampler_logp (B, T) per token, mask (B, T) real answer tokens,
@@ -405,10 +409,12 @@ def clipped_policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsi
     - cispo (MiniMax-M1, arXiv 2506.13585, eq. 4): loss = -sum_{i,t} sg(min(r_it, 1 + eps_high))
       A_it logp_it / (answer tokens in the batch), r_it = exp(logp - old_logp); `epsilon` only
       sets the default eps_high (no lower bound, as in the paper); epsilon=None: no cap.
-    "sequence" and "gspo" need (B,) advantages. The KL (k3, per token; the book's chapter 7 used
-    the sequence-level difference of log-probs) and the entropy bonus are reduced like the policy
-    term (`aggregate_loss`: gspo per-sequence token mean, cispo batch token mean; the bonus as a
-    per-sequence mean for "sequence"). Sequences without answer tokens add 0 to every term.
+    "sequence" and "gspo" need (B,) advantages. The KL (kl_estimator "k3": per token, always >= 0;
+    "sequence": the book's chapter 7 summed logp - ref_logp per answer, mean over answers, whose
+    gradient is zero on average and which can go negative, kept to show why it fails) and the
+    entropy bonus are reduced like the policy term (`aggregate_loss`: gspo per-sequence token
+    mean, cispo batch token mean; the bonus as a per-sequence mean for "sequence"). Sequences
+    without answer tokens add 0 to every term.
     Off-policy options (policy term only, the KL and entropy terms are untouched; default off):
     - tis_cap=C with sampler_logp: truncated importance sampling, see `truncated_is_weight`.
     - off_policy_mask_threshold=delta: DeepSeek-V3.2 masking, see `off_policy_sequence_mask`;
@@ -425,6 +431,8 @@ def clipped_policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsi
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     if tis_cap is not None and sampler_logp is None:
         raise ValueError("tis_cap (truncated importance sampling) needs sampler_logp")
     maskf = mask.to(logp.dtype)
@@ -461,7 +469,10 @@ def clipped_policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsi
 
     kl = torch.zeros((), device=logp.device)
     if ref_logp is not None and beta:
-        kl = aggregate_loss(k3_kl(logp, ref_logp), mask, loss_type, max_completion_length)
+        if kl_estimator == "sequence":  # the book's chapter 7: summed logp - ref_logp per answer
+            kl = aggregate_loss(logp - ref_logp, mask, "sequence")
+        else:
+            kl = aggregate_loss(k3_kl(logp, ref_logp), mask, loss_type, max_completion_length)
         loss = loss + beta * kl
     ent = torch.zeros((), device=logp.device)
     if entropy is not None:
@@ -518,6 +529,7 @@ class RolloutBatch:
     samples: list = field(default_factory=list)  # one dict per rollout of every group
     zero_adv_frac: float = 0.0  # fraction of groups whose rewards were all equal
     num_generated_tokens: int = 0  # generated tokens of all rollouts (for tokens/s)
+    sampler_logp: torch.Tensor | None = None  # (B, Tc) the sampler's token log-probs, if recorded
 
     @property
     def size(self) -> int:
@@ -527,10 +539,21 @@ class RolloutBatch:
     def slice(self, start, stop) -> RolloutBatch:
         """Rows start:stop (a micro-batch); statistics fields are shared, not sliced."""
         am = None if self.attention_mask is None else self.attention_mask[start:stop]
+        sl = None if self.sampler_logp is None else self.sampler_logp[start:stop]
         return RolloutBatch(
             self.input_ids[start:stop], am, self.prompt_len,
             self.completion_mask[start:stop], self.advantages[start:stop], self.rewards,
-            self.samples, self.zero_adv_frac, self.num_generated_tokens,
+            self.samples, self.zero_adv_frac, self.num_generated_tokens, sl,
+        )
+
+    def rows(self, keep: torch.Tensor) -> RolloutBatch:
+        """The rollouts where `keep` (B,) bool is True; statistics fields are shared."""
+        am = None if self.attention_mask is None else self.attention_mask[keep]
+        sl = None if self.sampler_logp is None else self.sampler_logp[keep]
+        return RolloutBatch(
+            self.input_ids[keep], am, self.prompt_len, self.completion_mask[keep],
+            self.advantages[keep], self.rewards, self.samples, self.zero_adv_frac,
+            self.num_generated_tokens, sl,
         )
 
 
@@ -564,7 +587,8 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
                      max_new_tokens=512, temperature=0.8, top_p=0.9, generator=None,
                      scale_rewards="group", skip_zero_advantage=False, mask_truncated=False,
                      prompt_fn: Callable[[str], str] = render_prompt,
-                     advantage_fn=None) -> RolloutBatch:
+                     advantage_fn=None, record_logprobs=False,
+                     reward_normalization="sum") -> RolloutBatch:
     """Sample G rollouts per example (one prefill each, all decoded together), score, pack.
 
     reward_fn(text, token_ids, prompt_len, example) -> (total, components) (a `CompositeReward`).
@@ -577,13 +601,21 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
     packed mask (rows: group after group, G each, columns: completion tokens); it returns the
     (B, Tc) per-token advantages (rollout g of kept group i is row i * G + g). Default: the
     outcome advantages `group_advantages`, one per completion.
+    record_logprobs: keep the sampler's token log-probs as `sampler_logp` (for truncated
+    importance sampling and off-policy masking). reward_normalization: "sum" normalises the
+    weighted sum of the reward terms in each group (GRPO); "per_reward" normalises each term of
+    a `CompositeReward` in its group before the weighted sum (GDPO, `group_advantages_multi`).
     """
+    if reward_normalization not in REWARD_NORMALIZATIONS:
+        raise ValueError(f"reward_normalization must be one of {REWARD_NORMALIZATIONS}, "
+                         f"got {reward_normalization!r}")
     was_training = model.training
     model.eval()
     # All N prompts in one decoding loop: one prefill per prompt, its cache row repeated G times.
     all_rollouts = sample_rollouts_batch(
         model, tokenizer, [prompt_fn(ex["problem"]) for ex in examples], num_rollouts, device,
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, generator=generator,
+        return_logprobs=record_logprobs,
     )
     model.train(was_training)
     groups = []
@@ -593,8 +625,14 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
         groups.append((example, ro, scored))
 
     rewards = torch.tensor([[s[0] for s in scored] for _, _, scored in groups])  # (N, G)
-    advantages = group_advantages(rewards, scale_rewards)  # (N, G)
-    zero = (rewards == rewards[:, :1]).all(dim=1)  # (N,) groups without signal
+    if reward_normalization == "per_reward":
+        terms = reward_fn.terms  # GDPO: each (gated) term normalised in its group
+        paid = [[reward_fn.paid(s[1]) for s in scored] for _, _, scored in groups]  # N x G x K
+        comps = torch.tensor(paid, dtype=torch.float32).permute(2, 0, 1)  # (K, N, G)
+        advantages = group_advantages_multi(comps, [t.weight for t in terms], scale_rewards)
+    else:
+        advantages = group_advantages(rewards, scale_rewards)  # (N, G)
+    zero = (advantages == 0).all(dim=1)  # (N,) groups without signal (exact zeros)
     if advantage_fn is not None:
         # Process supervision: a group whose outcomes are all equal can still hold step-level
         # signal (step 1 right in some completions, wrong in others), so it is kept here and
@@ -627,8 +665,14 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
         masks.append(m)
     input_ids, attention_mask, prompt_len, completion_mask = pack_rollouts(
         [groups[i][1].prompt_ids for i in keep], [groups[i][1].completion_ids for i in keep],
-        masks, pad_id=_pad_id(tokenizer),
+        masks, pad_id=pad_id_of(tokenizer),
     )
+    sampler_logp = None
+    if record_logprobs:  # (B, Tc), right-padded with 0 like the completions
+        Tc = completion_mask.shape[1]
+        sampler_logp = torch.cat([
+            F.pad(groups[i][1].logprobs, (0, Tc - groups[i][1].logprobs.shape[1]))
+            for i in keep]).to(device)
     if advantage_fn is not None:
         adv = advantage_fn([groups[i] for i in keep], advantages[keep], completion_mask)  # (B, Tc)
         if skip_zero_advantage:  # drop groups whose token advantages are all exactly zero
@@ -638,6 +682,7 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
             rows = signal.repeat_interleave(G)  # (B,)
             input_ids, completion_mask, adv = input_ids[rows], completion_mask[rows], adv[rows]
             attention_mask = None if attention_mask is None else attention_mask[rows]
+            sampler_logp = None if sampler_logp is None else sampler_logp[rows]
             if not bool(signal.any()):
                 empty = torch.zeros(0, 1, dtype=torch.long, device=device)
                 return RolloutBatch(empty, None, 1, empty.bool(), torch.zeros(0, device=device),
@@ -645,16 +690,43 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
     else:
         adv = advantages[keep].reshape(-1)  # (B,)
     return RolloutBatch(input_ids, attention_mask, prompt_len, completion_mask,
-                        adv.to(device), rewards, samples, zero.float().mean().item(), num_tokens)
+                        adv.to(device), rewards, samples, zero.float().mean().item(), num_tokens,
+                        sampler_logp)
 
 
-def _pad_id(tokenizer):
-    """Padding id for packing (never attended to, never scored)."""
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if value is not None:
-            return int(value)
-    return 0
+def concat_rollout_batches(batches: list[RolloutBatch], pad_id=0) -> RolloutBatch:
+    """One batch from several (DAPO dynamic sampling's rounds), re-padded to a common layout.
+
+    Prompts are left-padded to the longest padded prompt and completions right-padded, as
+    `pack_rollouts` does; rewards, samples and token counts cover every batch, kept or not.
+    """
+    rewards = torch.cat([b.rewards for b in batches])  # (N_all, G)
+    samples = [s for b in batches for s in b.samples]
+    tokens = sum(b.num_generated_tokens for b in batches)
+    zero_frac = sum(b.zero_adv_frac * b.rewards.shape[0] for b in batches) / rewards.shape[0]
+    kept = [b for b in batches if b.size]
+    if not kept:
+        first = batches[0]
+        return RolloutBatch(first.input_ids, None, first.prompt_len, first.completion_mask,
+                            first.advantages, rewards, samples, zero_frac, tokens)
+    P = max(b.prompt_len for b in kept)
+    Tc = max(b.completion_mask.shape[1] for b in kept)
+    ids, attn, cmask, adv, slp = [], [], [], [], []
+    for b in kept:
+        left, right = P - b.prompt_len, Tc - b.completion_mask.shape[1]
+        ids.append(F.pad(b.input_ids, (left, right), value=pad_id))
+        am = b.attention_mask if b.attention_mask is not None else torch.ones_like(b.input_ids)
+        attn.append(F.pad(F.pad(am.long(), (left, 0), value=0), (0, right), value=1))
+        cmask.append(F.pad(b.completion_mask, (0, right), value=False))
+        adv.append(b.advantages if b.advantages.dim() == 1 else F.pad(b.advantages, (0, right)))
+        if b.sampler_logp is not None:
+            slp.append(F.pad(b.sampler_logp, (0, right)))
+    attention_mask = torch.cat(attn)
+    if bool(attention_mask.all()):
+        attention_mask = None  # no padding: plain causal attention
+    return RolloutBatch(torch.cat(ids), attention_mask, P, torch.cat(cmask), torch.cat(adv),
+                        rewards, samples, zero_frac, tokens,
+                        torch.cat(slp) if len(slp) == len(kept) else None)
 
 
 def batch_logprobs(model, batch: RolloutBatch, chunk_size=1024, with_entropy=True,
@@ -668,7 +740,8 @@ def batch_logprobs(model, batch: RolloutBatch, chunk_size=1024, with_entropy=Tru
 def grpo_loss_on_batch(model, batch: RolloutBatch, old_logp=None, ref_logp=None, loss_type="grpo",
                        epsilon=0.2, epsilon_high=None, beta=0.0, entropy_coef=0.0,
                        max_completion_length=None, chunk_size=1024, temperature=1.0,
-                       sampler_logp=None, tis_cap=None, off_policy_mask_threshold=None):
+                       sampler_logp=None, tis_cap=None, off_policy_mask_threshold=None,
+                       kl_estimator="k3"):
     """Loss dict of `clipped_policy_loss` for a packed batch (log-probs with grad).
 
     old_logp None means "the policy that sampled the batch is the current one": the old log-probs
@@ -685,7 +758,7 @@ def grpo_loss_on_batch(model, batch: RolloutBatch, old_logp=None, ref_logp=None,
     out = clipped_policy_loss(logp, old, batch.advantages, batch.completion_mask, loss_type,
                               epsilon, epsilon_high, ref_logp, beta, entropy, entropy_coef,
                               max_completion_length, sampler_logp, tis_cap,
-                              off_policy_mask_threshold)
+                              off_policy_mask_threshold, kl_estimator)
     out["num_tokens"] = int(batch.completion_mask.sum())
     return out
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from .interrupts import defer_interrupts
 from .process import split_steps, step_texts, token_step_owners
 from .qwen3 import Qwen3Config, Qwen3Model
-from .tokenizer import read_json
+from .tokenizer import pad_id_of, read_json
 
 HEAD_FILE = "prm_head.safetensors"
 CONFIG_FILE = "prm_config.json"
@@ -114,14 +114,6 @@ def _collate(encoded, pad_id: int):
     return input_ids, rows, cols
 
 
-def _pad_id(tokenizer) -> int:
-    for name in ("pad_token_id", "eos_token_id"):
-        v = getattr(tokenizer, name, None)
-        if v is not None:
-            return int(v)
-    return 0
-
-
 def _check_record(i: int, rec: dict) -> None:
     """A stepwise record needs a prompt, step texts and one bool label per step."""
     for key in ("prompt", "completions", "labels"):
@@ -144,7 +136,7 @@ def score_steps_batch(prm: ProcessRewardModel, tokenizer, items, batch_size: int
         for b in range(0, len(items), batch_size):
             chunk = items[b : b + batch_size]
             encoded = [encode_steps(tokenizer, p, s) for p, s in chunk]
-            input_ids, rows, cols = _collate(encoded, _pad_id(tokenizer))
+            input_ids, rows, cols = _collate(encoded, pad_id_of(tokenizer))
             probs = torch.sigmoid(prm(input_ids.to(device))[rows.to(device), cols.to(device)])
             k = 0
             for _, ends in encoded:
@@ -164,7 +156,7 @@ def prm_loss(prm: ProcessRewardModel, tokenizer, records, pos_weight: float | No
     """Mean binary cross-entropy over all steps of a batch of stepwise records (a tensor)."""
     device = next(prm.parameters()).device
     encoded = [encode_steps(tokenizer, r["prompt"], r["completions"]) for r in records]
-    input_ids, rows, cols = _collate(encoded, _pad_id(tokenizer))
+    input_ids, rows, cols = _collate(encoded, pad_id_of(tokenizer))
     logits = prm(input_ids.to(device))[rows.to(device), cols.to(device)]  # (n_steps,)
     labels = torch.tensor([float(bool(x)) for r in records for x in r["labels"]], device=device)
     pw = None if pos_weight is None else torch.tensor(pos_weight, device=device)

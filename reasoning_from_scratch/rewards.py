@@ -80,6 +80,12 @@ class CompositeReward:
         """Names of the terms in order (the keys of the components dict)."""
         return [t.name for t in self.terms]
 
+    def paid(self, components: dict) -> list[float]:
+        """Each term's unweighted value as it enters the total (0 where its gate did not pay), in
+        the order of `terms`; GDPO normalises each of them in its group."""
+        return [0.0 if t.only_if is not None and components[t.only_if] <= 0
+                else components[t.name] for t in self.terms]
+
     def __call__(self, text, token_ids, prompt_len, example):
         components: dict[str, float] = {}
         total = 0.0

@@ -67,12 +67,20 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .checkpoints import find_checkpoint
 from .device import get_device
-from .evaluation import evaluate
+from .experiments import (
+    SETTINGS_FILE,
+    format_pm,
+    jsonable,
+    mean_std,
+    resume_point,
+    settings_diff,
+    stat,
+)
+from .experiments import format_value as _opt  # short: the table lines are long
 from .prm import train_prm_on_arithmetic
 from .run_log import read_metrics
-from .training import GRPOConfig, train_grpo
+from .training import GRPOConfig, evaluate_policy, train_grpo
 from .training_cli import load_grpo_data
 from .weights import atomic_write_json, load_pretrained
 
@@ -107,15 +115,6 @@ PROCESS_FIELDS = ("step_scorer", "process_variant", "step_split", "mc_rollouts")
 # ----------------------------------------------------------------------------------------------
 
 
-def evaluate_model(model, tokenizer, examples, device, config):
-    """Greedy held-out figures (METRICS and per-level accuracy) from `evaluation.evaluate`."""
-    res = evaluate(model, tokenizer, examples[:config.eval_examples], device,
-                   max_new_tokens=config.eval_max_new_tokens or config.max_new_tokens,
-                   batch_size=config.eval_batch_size, progress=False)
-    return {**{k: res[k] for k in METRICS},
-            "per_level": {str(k): v for k, v in res["per_level"].items()}}
-
-
 def run_config(arm, seed, values, args, prm_path, run_dir):
     """The GRPOConfig of one run: the shared values plus the arm's supervision."""
     spec, variant = ARMS[arm]
@@ -144,12 +143,6 @@ def run_settings(config, args, prm_report=None):
     if config.step_scorer.startswith("prm:") and config.supervision == "process":
         s["prm_settings"] = (prm_report or {}).get("settings")
     return json.loads(json.dumps(s))  # as it reads back from JSON
-
-
-def _diff(a, b):
-    """The keys whose values differ, as "key: old -> new" (for error messages)."""
-    keys = sorted(set(a) | set(b), key=str)
-    return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k))
 
 
 def load_curve(run_dir):
@@ -200,7 +193,8 @@ def checkpoint_points(run_dir, config, tokenizer, held_out, device, summary):
         if str(step) not in cache:
             model, _ = load_pretrained(run_dir / f"checkpoint-{step}", device=device,
                                        dtype=torch.float32)
-            cache[str(step)] = evaluate_model(model, tokenizer, held_out, device, config)
+            cache[str(step)] = evaluate_policy(model, tokenizer, held_out[:config.eval_examples],
+                                               device, config)
             atomic_write_json(cache_file, cache)
         points.append(make_point(step, costs, cache[str(step)]))
     final = {k: summary[f"final_{k}"] for k in METRICS}
@@ -211,37 +205,27 @@ def checkpoint_points(run_dir, config, tokenizer, held_out, device, summary):
     return points
 
 
-def run_one(config, settings, base_model, tokenizer, train, held_out, device):
+def run_one(config, settings, base_model, tokenizer, train, held_out, device, base=None):
     """Train and evaluate one run, or reuse / resume it; returns its curve dict."""
     run_dir = Path(config.output_dir)
     done = load_curve(run_dir)
     if done is not None:
         if done.get("settings") != settings:
-            changed = _diff(done.get("settings") or {}, settings)
+            changed = settings_diff(done.get("settings") or {}, settings)
             raise SystemExit(f"{run_dir} was run with other settings ({changed}); use another "
                              "--output-dir, or delete that run directory to rerun it")
         return done
-    resume = None
-    settings_file = run_dir / "settings.json"
-    if run_dir.exists():
-        try:
-            same = json.loads(settings_file.read_text()) == settings
-            resume = find_checkpoint(run_dir) if same else None
-        except (FileNotFoundError, ValueError):  # no intact checkpoint: start over
-            resume = None
-        if resume is None:
-            shutil.rmtree(run_dir)
-        else:
-            print(f"{run_dir}: resuming from {resume}")
+    resume = resume_point(run_dir, settings)
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(settings_file, settings)
+    atomic_write_json(run_dir / SETTINGS_FILE, settings)
     model = copy.deepcopy(base_model)
-    summary = train_grpo(model, tokenizer, train, held_out, device, config, resume_from=resume)
+    summary = train_grpo(model, tokenizer, train, held_out, device, config, resume_from=resume,
+                         base_evaluation=base)  # evaluated once for all runs
     del model
     points = checkpoint_points(run_dir, config, tokenizer, held_out, device, summary)
     curve = {"settings": settings, "summary": summary, "points": points}
-    atomic_write_json(run_dir / "curve.json", _jsonable(curve))
-    return json.loads(json.dumps(_jsonable(curve)))
+    atomic_write_json(run_dir / "curve.json", jsonable(curve))
+    return json.loads(json.dumps(jsonable(curve)))
 
 
 def base_figures(base_model, tokenizer, held_out, device, config, args, out):
@@ -254,8 +238,9 @@ def base_figures(base_model, tokenizer, held_out, device, config, args, out):
         saved = json.loads(path.read_text())
         if saved.get("settings") == settings:
             return saved["figures"]
-    figures = evaluate_model(base_model, tokenizer, held_out, device, config)
-    atomic_write_json(path, {"settings": settings, "figures": _jsonable(figures)})
+    figures = evaluate_policy(base_model, tokenizer, held_out[:config.eval_examples], device,
+                              config)
+    atomic_write_json(path, {"settings": settings, "figures": jsonable(figures)})
     return figures
 
 
@@ -297,7 +282,7 @@ def prepare_prm(args, config, base_model, tokenizer, device, out):
         return path, report
     if report is not None:
         print(f"PRM: {path} was trained with other settings "
-              f"({_diff(report.get('settings', {}), settings)}); training it again")
+              f"({settings_diff(report.get('settings', {}), settings)}); training it again")
     shutil.rmtree(path, ignore_errors=True)
     print(f"PRM: training one from {args.model} into {path}")
     report = train_prm_on_arithmetic(base_model, tokenizer, path, device=device,
@@ -308,27 +293,6 @@ def prepare_prm(args, config, base_model, tokenizer, device, out):
 # ----------------------------------------------------------------------------------------------
 # Summary: table and figure
 # ----------------------------------------------------------------------------------------------
-
-
-def _finite(xs):
-    """The values as floats, without None and NaN."""
-    return [float(x) for x in xs if x is not None and not math.isnan(float(x))]
-
-
-def mean_std(xs):
-    """(mean, sample sd) of the values that are not None / NaN; (nan, nan) if none are."""
-    xs = _finite(xs)
-    if not xs:
-        return math.nan, math.nan
-    m = sum(xs) / len(xs)
-    s = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
-    return m, s
-
-
-def stat(xs):
-    """{"mean", "sd"} of `mean_std(xs)`: the table's cells, as results.json holds them."""
-    m, s = mean_std(xs)
-    return {"mean": m, "sd": s}
 
 
 def first_reaching(points, target):
@@ -383,12 +347,6 @@ def summarise(curves, base):
     return {"target": target, "token_budget": budget, "rows": rows}
 
 
-def _pm(st, digits=3):
-    """A table cell "mean ± sd" ("n/a" without a mean)."""
-    m, s = st["mean"], st["sd"]
-    return "n/a" if math.isnan(m) else f"{m:.{digits}f} ± {s:.{digits}f}"
-
-
 def _fmt_reach(values):
     """The steps-to-target cell: mean step of the runs that reach it, and their count."""
     reached = [v for v in values if v is not None]
@@ -410,11 +368,6 @@ def _fmt_tokens(row):
     return _k(total) + (f" (scorer {_k(scorer)})" if scorer and not math.isnan(scorer) else "")
 
 
-def _opt(v):
-    """A figure with 3 decimals, or "n/a" for None / NaN."""
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"
-
-
 def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
     """results.md: the table for the README, with the definitions under it."""
     rows, target, budget = summary["rows"], summary["target"], summary["token_budget"]
@@ -427,13 +380,14 @@ def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
     for r in rows:
         at_budget = "n/a"
         if "accuracy_at_budget" in r and not math.isnan(r["accuracy_at_budget"]["mean"]):
-            at_budget = (f"{_pm(r['accuracy_at_budget'])} "
+            at_budget = (f"{format_pm(r['accuracy_at_budget'])} "
                          f"(step {r['step_at_budget']['mean']:.0f})")
         t = r["train_seconds"]["mean"]
         lines.append(
-            f"| {r['label']} | {len(r['seeds'])} | {_pm(r['final_accuracy'])} | "
-            f"{_pm(r['final_step_correctness'])} | {_pm(r['final_right_answer_wrong_step'])} | "
-            f"{_pm(r['final_think_accuracy'])} | {_fmt_tokens(r)} | "
+            f"| {r['label']} | {len(r['seeds'])} | {format_pm(r['final_accuracy'])} | "
+            f"{format_pm(r['final_step_correctness'])} | "
+            f"{format_pm(r['final_right_answer_wrong_step'])} | "
+            f"{format_pm(r['final_think_accuracy'])} | {_fmt_tokens(r)} | "
             f"{'n/a' if math.isnan(t) else f'{t:.0f}'} | "
             f"{_fmt_reach(r.get('steps_to_target', [])) if target is not None else 'n/a'} | "
             f"{at_budget} |")
@@ -531,17 +485,6 @@ def plot_process_vs_outcome(curves, base, path, token_budget=None):
     fig.savefig(path, dpi=150)
 
 
-def _jsonable(obj):
-    """NaN -> None and tuples -> lists, recursively (results.json stays strict JSON)."""
-    if isinstance(obj, float):
-        return None if math.isnan(obj) else obj
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
-
-
 # ----------------------------------------------------------------------------------------------
 # The whole experiment
 # ----------------------------------------------------------------------------------------------
@@ -570,7 +513,7 @@ def run_experiment(args, arms, seeds):
     if "prm" in arms:
         prm_path, prm_report = prepare_prm(args, config, base_model, tokenizer, device, out)
     curves = run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokenizer,
-                      train, held_out, device)
+                      train, held_out, device, base)
     if not curves:
         raise SystemExit(f"no finished runs in {out}")
     return write_results(curves, base, out, prm_report, args,
@@ -578,7 +521,7 @@ def run_experiment(args, arms, seeds):
 
 
 def run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokenizer, train,
-             held_out, device):
+             held_out, device, base=None):
     """{arm: {seed: points}} of the finished runs, training the missing ones (not report_only)."""
     out = Path(args.output_dir)
     curves = {arm: {} for arm in arms}
@@ -593,7 +536,8 @@ def run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokeni
             else:
                 cfg = run_config(arm, seed, values, args, prm_path, run_dir)
                 settings = run_settings(cfg, args, prm_report)
-                curve = run_one(cfg, settings, base_model, tokenizer, train, held_out, device)
+                curve = run_one(cfg, settings, base_model, tokenizer, train, held_out, device,
+                                base)
             curves[arm][seed] = curve["points"]
             last = curve["points"][-1]
             tokens = "n/a" if last["tokens"] is None else f"{_k(last['tokens'])}k"
@@ -609,7 +553,7 @@ def write_results(curves, base, out, prm_report, args, held_out_name):
     table = write_table(summary, base, out / "results.md", prm_report, held_out_name)
     plot_process_vs_outcome(curves, base, out / "process_vs_outcome.png",
                             summary["token_budget"])
-    atomic_write_json(out / "results.json", _jsonable({
+    atomic_write_json(out / "results.json", jsonable({
         "base": base, **summary, "curves": curves, "prm": prm_report, "args": vars(args)}))
     print(table)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'process_vs_outcome.png'}")

@@ -83,6 +83,16 @@ QWEN3_CHAT_TEMPLATE = (
 Messages = str | Sequence[dict]
 
 
+def pad_id_of(tokenizer) -> int:
+    """The id that pads packed sequences (never attended to, never scored): the tokenizer's pad
+    id, else its EOS id, else 0."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            return int(value)
+    return 0
+
+
 def read_json(path: str | Path) -> dict:
     """Read a JSON file; errors name the file (and line for syntax errors)."""
     path = Path(path)

@@ -35,12 +35,15 @@ from .checkpoints import (
 )
 from .evaluation import evaluate
 from .grpo import (
+    KL_ESTIMATORS,
     LOSS_TYPES,
+    REWARD_NORMALIZATIONS,
     SCALE_REWARDS,
     SEQUENCE_LOSS_TYPES,
     RolloutBatch,
     batch_logprobs,
     collect_rollouts,
+    concat_rollout_batches,
     grpo_loss_on_batch,
 )
 from .interrupts import defer_interrupts
@@ -49,6 +52,7 @@ from .process import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
 from .run_log import MetricsLog, append_samples, truncate_samples
+from .tokenizer import pad_id_of
 from .validation import (
     at_least,
     check,
@@ -66,7 +70,8 @@ METRIC_COLUMNS = [
     "adv_mean", "adv_std", "zero_adv_frac", "entropy", "ratio_mean", "ratio_max",
     "clip_frac_low", "clip_frac_high", "len_mean", "len_max", "truncated_frac", "grad_norm",
     "skipped", "gen_tokens", "scorer_tokens", "tokens_per_s", "rollout_s", "update_s",
-    "step_time", "lr", "eval_accuracy", "eval_format_rate", "eval_think_accuracy",
+    "step_time", "lr", "sampling_rounds", "tis_weight_mean", "off_policy_mask_frac",
+    "eval_accuracy", "eval_format_rate", "eval_think_accuracy",
     "eval_step_correctness",
 ]
 # The held-out figures of every evaluation (evaluation.evaluate's summary keys); summary.json has
@@ -90,6 +95,13 @@ PLOT_COLUMNS = ["reward_mean", "correct_mean", "format_mean", "eval_accuracy",
 DEFAULT_TRAIN_LEVEL_WEIGHTS = (1.0, 1.0, 2.0, 2.0, 2.0)
 
 
+# Chapter 6's algorithm as GRPOConfig overrides: loss = -(advantage x summed log-prob).mean()
+# (the "sequence" loss at ratio 1), no clipping, no KL, one update per batch, correctness reward
+# only, every group kept. chapters/ch06_train.py's defaults and a row of chapter 7's table.
+CHAPTER6_RECIPE = dict(loss_type="sequence", epsilon=None, epsilon_high=None, beta=0.0,
+                       format_reward_weight=0.0, format_reward_conditional=False,
+                       skip_zero_advantage=False, inner_epochs=1)
+
 # A run stops (with a checkpoint of its last finite weights) after this many steps in a row whose
 # loss or gradient was NaN/inf: the updates were skipped, and more of the same will not help.
 MAX_BAD_STEPS = 3
@@ -102,7 +114,9 @@ CONFIG_RULES = {
     "temperature": positive, "top_p": probability, "format_reward_weight": non_negative,
     "mc_rollouts": at_least(1),
     "epsilon": optional(in_range(0, 1, low_open=True)), "epsilon_high": optional(positive),
-    "beta": non_negative, "entropy_coef": finite, "inner_epochs": at_least(1),
+    "beta": non_negative, "tis_cap": optional(positive),
+    "off_policy_mask_threshold": optional(non_negative), "max_sampling_rounds": at_least(1),
+    "entropy_coef": finite, "inner_epochs": at_least(1),
     "micro_batch_size": optional(at_least(1)), "chunk_size": at_least(1),
     "eval_every": non_negative, "eval_examples": at_least(1),
     "eval_max_new_tokens": optional(at_least(1)), "eval_batch_size": at_least(1),
@@ -142,6 +156,9 @@ class GRPOConfig:
     # advantages
     scale_rewards: str = "group"  # "group" | "batch" | "none" (Dr. GRPO)
     skip_zero_advantage: bool = True  # drop groups whose rewards are all equal
+    reward_normalization: str = "sum"  # "sum" (GRPO) | "per_reward" (GDPO: each term by itself)
+    dynamic_sampling: bool = False  # DAPO: sample more prompts until the batch is full of signal
+    max_sampling_rounds: int = 3  # dynamic sampling: batches of prompts sampled at most per step
     supervision: str = "outcome"  # "outcome" | "process" (DeepSeekMath 4.1.3, see process.py)
     step_scorer: str = "verifier"  # process: verifier | verifier-signed | mc | mc-hard | prm:PATH
     process_variant: str = "sum"  # process: sum | process+outcome | min (PURE) | position
@@ -152,6 +169,9 @@ class GRPOConfig:
     epsilon: float | None = 0.2  # None: no clipping (chapter 6)
     epsilon_high: float | None = None  # DAPO clip-higher; None = epsilon
     beta: float = 0.0  # KL weight; 0 keeps no reference model in memory
+    kl_estimator: str = "k3"  # "k3" per token | "sequence" (the book's, which fails)
+    tis_cap: float | None = None  # truncated importance sampling cap C (None: off)
+    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2 sequence masking delta
     entropy_coef: float = 0.0
     mask_truncated: bool = False  # DAPO overlong filtering
     inner_epochs: int = 1  # PPO-style updates per batch of rollouts
@@ -174,6 +194,10 @@ class GRPOConfig:
         if self.scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, "
                              f"got {self.scale_rewards!r}")
+        for name, allowed in (("kl_estimator", KL_ESTIMATORS),
+                              ("reward_normalization", REWARD_NORMALIZATIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.supervision not in ("outcome", "process"):
             raise ValueError(f"supervision must be 'outcome' or 'process', "
                              f"got {self.supervision!r}")
@@ -268,7 +292,8 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config):
             model, mb, None if old_logp is None else old_logp[sl],
             None if ref_logp is None else ref_logp[sl], config.loss_type, config.epsilon,
             config.epsilon_high, config.beta, config.entropy_coef, config.max_new_tokens,
-            config.chunk_size,
+            config.chunk_size, config.temperature, mb.sampler_logp, config.tis_cap,
+            config.off_policy_mask_threshold, config.kl_estimator,
         )
         loss = out.pop("loss")
         if not torch.isfinite(loss):
@@ -279,7 +304,8 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config):
         sums["loss"] = sums.get("loss", 0.0) + loss.item() * w
         for k in ("pg_loss", "kl"):
             sums[k] = sums.get(k, 0.0) + out[k] * w
-        for k in ("entropy", "ratio_mean", "clip_frac_low", "clip_frac_high"):
+        for k in ("entropy", "ratio_mean", "clip_frac_low", "clip_frac_high", "tis_weight_mean",
+                  "off_policy_mask_frac"):
             if out.get(k) is not None:  # None: nothing counted in this micro-batch
                 sums[k] = sums.get(k, 0.0) + out[k] * w_stat
         if w_stat and out.get("ratio_max") is not None and math.isfinite(out["ratio_max"]):
@@ -315,7 +341,7 @@ def _params_finite(model) -> bool:
 # The loop
 # ----------------------------------------------------------------------------------------------
 
-def _evaluate(model, tokenizer, examples, device, config, prompt_fn):
+def evaluate_policy(model, tokenizer, examples, device, config, prompt_fn=render_prompt):
     """Greedy held-out figures: strict accuracy, think-format rate, accuracy among think answers,
     verifier step correctness, right answer with a wrong step, accuracy per level."""
     res = evaluate(model, tokenizer, examples, device,
@@ -360,7 +386,7 @@ class _Run:
 
 def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: GRPOConfig,
                resume_from=None, reward_fn=None, advantage_fn: Callable | None = None,
-               prompt_fn=render_prompt, overwrite=False,
+               prompt_fn=render_prompt, overwrite=False, base_evaluation: dict | None = None,
                phase_hook: Callable[[str, int], None] | None = None) -> dict:
     """Train `model` with GRPO on `train_examples`; returns the summary dict (also summary.json).
 
@@ -369,7 +395,9 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     advantage_fn: token-level advantages for config.supervision == "process" (see
     `grpo.collect_rollouts`). resume_from: a checkpoint dir or a run dir (its latest intact
     checkpoint) to continue exactly where it stopped. A new run refuses an output_dir that holds
-    a run unless `overwrite`. Ctrl-C saves a checkpoint before re-raising.
+    a run unless `overwrite`. Ctrl-C saves a checkpoint before re-raising. base_evaluation: the
+    starting model's `evaluate_policy` figures on `eval_examples`, if already known (experiments
+    that train one base model many times evaluate it once).
     phase_hook(phase, step): called as each phase starts ("base_eval", "rollouts", "update",
     "eval", "checkpoint", "final_eval", "final_save"; step = the update being made or just
     made); for progress displays and for tests that interrupt a run at a chosen moment.
@@ -400,6 +428,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
                                   weight_decay=config.weight_decay)
     run = _Run(out, model, tokenizer, optimizer, config)
+    run.base = run.last_eval = base_evaluation
     if resume_from is not None:  # load first: a failed load writes nothing
         state = load_checkpoint(resume_from, model, optimizer)
         run.completed, run.eval_pending = state["step"], state.get("eval_pending", False)
@@ -414,7 +443,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
         atomic_write_json(out / "config.json", asdict(config))
 
     def evaluate_now():
-        return _evaluate(model, tokenizer, eval_set, device, config, prompt_fn)
+        return evaluate_policy(model, tokenizer, eval_set, device, config, prompt_fn)
 
     bar = tqdm(total=config.steps, initial=run.completed, desc="grpo",
                disable=not config.progress)
@@ -469,8 +498,8 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
         bar.close()
         with defer_interrupts():
             path = run.checkpoint()
-        _print(config, f"interrupted: {path} holds {run.completed} update(s); continue with "
-                       f"--resume {out}")
+        tqdm.write(f"interrupted: {path} holds {run.completed} update(s); continue with "
+                   f"--resume {out}")  # printed even without progress output
         raise
     _print(config, f"held-out before: {_eval_line(run.base)}\nheld-out after:  "
                    f"{_eval_line(final)}\nwrote {out}")
@@ -526,16 +555,44 @@ def _reference_model(model, tokenizer, out, config, resumed):
 def _rollouts(model, tokenizer, examples, device, config, reward_fn, advantage_fn, prompt_fn,
               step):
     """Sample, score and pack step `step`'s rollouts; returns (batch, cost) where cost has the
-    start time, the rollout seconds and the process scorer's generated tokens."""
+    start time, the rollout seconds, the process scorer's generated tokens and the sampling
+    rounds (DAPO dynamic sampling draws more prompts until `prompts_per_step` groups carry a
+    learning signal, at most `max_sampling_rounds` batches of prompts; DAPO section 3.2)."""
     t0, scorer_before = time.time(), _scorer_tokens(advantage_fn)
-    batch = collect_rollouts(
-        model, tokenizer, step_prompts(examples, step, config), device, reward_fn,
-        config.num_rollouts, config.max_new_tokens, config.temperature, config.top_p,
-        rollout_generator(device, config.seed, step), config.scale_rewards,
-        config.skip_zero_advantage, config.mask_truncated, prompt_fn, advantage_fn,
-    )
-    return batch, {"t0": t0, "rollout_s": time.time() - t0,
+    generator = rollout_generator(device, config.seed, step)  # shared by the rounds, in order
+    rounds = config.max_sampling_rounds if config.dynamic_sampling else 1
+    batches, groups = [], 0
+    for r in range(rounds):
+        prompts = step_prompts(examples, step, config) if r == 0 else \
+            extra_prompts(examples, step, r, config)
+        batch = collect_rollouts(
+            model, tokenizer, prompts, device, reward_fn, config.num_rollouts,
+            config.max_new_tokens, config.temperature, config.top_p, generator,
+            config.scale_rewards, config.skip_zero_advantage or config.dynamic_sampling,
+            config.mask_truncated, prompt_fn, advantage_fn,
+            record_logprobs=config.tis_cap is not None
+            or config.off_policy_mask_threshold is not None,
+            reward_normalization=config.reward_normalization,
+        )
+        batches.append(batch)
+        groups += batch.size // config.num_rollouts
+        if groups >= config.prompts_per_step:
+            break
+    if len(batches) > 1:
+        batch = concat_rollout_batches(batches, pad_id_of(tokenizer))
+        full = config.prompts_per_step * config.num_rollouts
+        if batch.size > full:  # the batch size stays fixed: later groups are left out
+            batch = batch.rows(torch.arange(batch.size) < full)
+    return batch, {"t0": t0, "rollout_s": time.time() - t0, "sampling_rounds": len(batches),
                    "scorer_tokens": _scorer_tokens(advantage_fn) - scorer_before}
+
+
+def extra_prompts(examples, step, round_, config):
+    """Dynamic sampling's further prompts of a step: `prompts_per_step` drawn without
+    replacement, seeded by (seed, step, round) so a resumed run draws the same ones."""
+    g = torch.Generator().manual_seed(config.seed * 1_000_003 + 104_729 * step + round_)
+    idx = torch.randperm(len(examples), generator=g)[:config.prompts_per_step]
+    return [examples[int(i)] for i in idx]
 
 
 def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step, cost, hook):
@@ -571,6 +628,7 @@ def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step
         row.update(loss=0.0, pg_loss=0.0, kl=0.0, skipped=0)
     t2 = time.time()
     row.update(rollout_s=cost["rollout_s"], update_s=t2 - t1, step_time=t2 - cost["t0"],
+               sampling_rounds=cost["sampling_rounds"],
                tokens_per_s=batch.num_generated_tokens / max(t2 - cost["t0"], 1e-9),
                gen_tokens=batch.num_generated_tokens, scorer_tokens=cost["scorer_tokens"])
     return row
@@ -586,7 +644,9 @@ def _scorer_tokens(advantage_fn):
 def _logprobs_no_grad(model, batch, config):
     """Per-token log-probs (B, Tc) of a whole batch, micro-batched, without gradients."""
     mbs = config.micro_batch_size or batch.size
-    parts = [batch_logprobs(model, batch.slice(s, s + mbs), config.chunk_size, False)[0]
+    # at the sampling temperature: the distribution the rollouts were drawn from (as TRL does)
+    parts = [batch_logprobs(model, batch.slice(s, s + mbs), config.chunk_size, False,
+                            config.temperature)[0]
              for s in range(0, batch.size, mbs)]
     return torch.cat(parts)
 

@@ -22,7 +22,7 @@ import torch
 from .checkpoints import check_new_run_dir, find_checkpoint, read_trainer_state, run_dir_of
 from .datasets import DATASET_NAMES, load_dataset_by_name
 from .device import check_device, device_arg, get_device
-from .grpo import LOSS_TYPES, SCALE_REWARDS
+from .grpo import KL_ESTIMATORS, LOSS_TYPES, REWARD_NORMALIZATIONS, SCALE_REWARDS
 from .process import VARIANTS
 from .training import CONFIG_RULES, DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
 from .validation import arg_type, at_least, optional_positive_int
@@ -43,6 +43,12 @@ CONFIG_HELP = {
     "format_reward_conditional": "pay the format reward only for correct answers",
     "scale_rewards": "advantage scaling: group std (GRPO), batch std, or none (Dr. GRPO)",
     "skip_zero_advantage": "drop groups whose rewards are all equal (no learning signal)",
+    "reward_normalization": "sum: normalise the weighted sum of the reward terms in each group "
+                            "(GRPO); per_reward: normalise each term in its group, then sum "
+                            "(GDPO)",
+    "dynamic_sampling": "DAPO dynamic sampling: draw more prompts until prompts-per-step groups "
+                        "have unequal rewards (at most max-sampling-rounds batches of prompts)",
+    "max_sampling_rounds": "dynamic sampling: most batches of prompts sampled in one step",
     "supervision": "outcome (one reward per completion) or process (a reward per reasoning "
                    "step, DeepSeekMath-style token advantages)",
     "step_scorer": "process supervision step scorer: verifier | verifier-signed | mc | mc-hard | "
@@ -52,10 +58,19 @@ CONFIG_HELP = {
     "step_split": "how completions are split into steps: tags | newlines | blank_lines",
     "mc_rollouts": "Monte-Carlo continuations per step prefix (step-scorer mc)",
     "loss_type": "grpo: per-sequence token mean; dapo: batch token mean; dr_grpo: sum/(B*max "
-                 "tokens); sequence: the book's summed log-prob ratio",
+                 "tokens); sequence: the book's summed log-prob ratio; gspo: clipped "
+                 "length-normalised sequence ratio (GSPO); cispo: clipped, stop-gradient "
+                 "importance weight times log-prob (MiniMax-M1)",
     "epsilon": "PPO clip range: ratio clipped to [1-epsilon, 1+epsilon_high] ('none': no clip)",
     "epsilon_high": "upper clip range (DAPO clip-higher; 'none': same as epsilon)",
     "beta": "weight of the k3 KL penalty to the frozen starting model (0: no reference model)",
+    "kl_estimator": "k3: per-token k3 estimate (always >= 0); sequence: the book's summed "
+                    "logp - ref_logp per answer (zero gradient on average; shown to fail)",
+    "tis_cap": "truncated importance sampling: weight each token by min(pi_old / pi_sampler, C) "
+               "with the sampler's own log-probs ('none': off)",
+    "off_policy_mask_threshold": "DeepSeek-V3.2 off-policy sequence masking: drop negative-"
+                                 "advantage answers whose mean per-token KL to the sampler "
+                                 "exceeds this ('none': off)",
     "entropy_coef": "entropy bonus coefficient",
     "mask_truncated": "leave completions cut off at max-new-tokens out of the loss (DAPO)",
     "inner_epochs": "updates per batch of rollouts (PPO-style; >1 makes the ratio leave 1)",
@@ -74,11 +89,12 @@ CONFIG_HELP = {
 
 
 CHOICES = {"loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
+           "kl_estimator": KL_ESTIMATORS, "reward_normalization": REWARD_NORMALIZATIONS,
            "supervision": ("outcome", "process"), "process_variant": VARIANTS,
            "step_split": ("tags", "newlines", "blank_lines")}
 # fields whose default is None: their value type ('none' on the command line gives None)
 OPTIONAL_TYPES = {"epsilon": float, "epsilon_high": float, "micro_batch_size": int,
-                  "eval_max_new_tokens": int}
+                  "eval_max_new_tokens": int, "tis_cap": float, "off_policy_mask_threshold": float}
 
 
 def add_config_arguments(parser, defaults: GRPOConfig):
@@ -243,8 +259,11 @@ def run_cli(argv, description, defaults: GRPOConfig, run_prefix):
           f"held-out ({data['dataset']}); run dir {config.output_dir}")
     # written only now that model and data loaded (a failed start leaves the directory as it was)
     atomic_write_json(Path(config.output_dir) / "data.json", data)
-    summary = train_grpo(model, tokenizer, train, held_out, device, config, resume_from=ckpt,
-                         overwrite=args.overwrite)
+    try:
+        summary = train_grpo(model, tokenizer, train, held_out, device, config,
+                             resume_from=ckpt, overwrite=args.overwrite)
+    except KeyboardInterrupt:  # the checkpoint is saved and the way on printed: no traceback
+        raise SystemExit(130) from None
     print(json.dumps(summary, indent=2))
     return summary
 

@@ -121,3 +121,32 @@ def test_ch08_process_vs_outcome_tiny_run(tmp_path):
         last = runs["0"][-1]
         assert last["step"] == 2 and last["tokens"] > 0
     assert "| process (learned PRM) | 1 |" in (tmp_path / "results.md").read_text()
+
+
+def test_ch07_compare_tiny_run(tmp_path):
+    """Three arms (one of them with 4 inner epochs) x 2 steps, 1 seed; then --report-only."""
+    main = runpy.run_path(str(ROOT / "chapters" / "ch07_compare.py"),
+                          run_name="ch07_compare")["main"]
+    argv = ["--arms", "ch06,grpo,gspo", "--seeds", "0", "--steps", "2", "--eval-examples", "8",
+            "--prompts-per-step", "2", "--num-rollouts", "4", "--max-new-tokens", "24",
+            "--train-examples", "20", "--sample-every", "1", "--device", "cpu", "--no-progress",
+            "--output-dir", str(tmp_path)]
+    threads = torch.get_num_threads()
+    try:
+        first = main(argv)
+        stamp = (tmp_path / "grpo-seed0" / "figures.json").stat().st_mtime_ns
+        again = main([*argv, "--report-only"])
+    finally:
+        torch.set_num_threads(threads)  # the script sets 1 thread for itself
+    assert (tmp_path / "grpo-seed0" / "figures.json").stat().st_mtime_ns == stamp
+    assert [r["arm"] for r in first["rows"]] == ["ch06", "grpo", "gspo"]
+    assert again["rows"] == first["rows"]
+    for name in ("results.md", "results.json", "grpo_variants.png", "base.json"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    settings = json.loads((tmp_path / "gspo-seed0" / "settings.json").read_text())
+    assert settings["loss_type"] == "gspo" and settings["inner_epochs"] == 4
+    assert json.loads((tmp_path / "ch06-seed0" / "settings.json").read_text())["epsilon"] is None
+    table = (tmp_path / "results.md").read_text()
+    assert "| chapter 7 default (grpo loss) | 1 |" in table
+    with pytest.raises(SystemExit):
+        main([*argv, "--arms", "nonsense"])
