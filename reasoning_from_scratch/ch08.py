@@ -1,22 +1,22 @@
 """Chapter 8 index: process supervision (steps, scorers, PRM, outcome vs process; imports only)."""
 
 from .arithmetic import first_error_step, parse_steps, verify_steps
-from .prm import ProcessRewardModel, load_prm, save_prm, train_prm, train_prm_on_arithmetic
-from .process import (
-    make_process_advantage_fn,
-    process_advantages,
-    process_token_advantages,
-    split_steps,
-    step_statistics,
-    step_token_ends,
-)
-from .step_scorers import (
-    MonteCarloStepScorer,
+from .prm import (
     PRMStepScorer,
-    StepScorer,
-    VerifierStepScorer,
-    build_step_scorer,
+    ProcessRewardModel,
+    load_prm,
+    save_prm,
+    train_prm,
+    train_prm_on_arithmetic,
 )
+from .process import process_advantages, split_steps, step_statistics, step_token_ends
+from .process_supervision import (
+    ProcessAdvantageFn,
+    build_step_scorer,
+    make_process_advantage_fn,
+    process_token_advantages,
+)
+from .step_scorers import MonteCarloStepScorer, StepScorer, VerifierStepScorer
 from .supervision_experiment import (
     plot_process_vs_outcome,
     run_experiment,

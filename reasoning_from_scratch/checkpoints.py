@@ -22,15 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .tokenizer import read_json
-from .weights import (
-    atomic_save_safetensors,
-    atomic_write_json,
-    load_hf_state_dict,
-    non_finite_tensors,
-    read_safetensors,
-    save_pretrained,
-)
+from .files import atomic_save_safetensors, atomic_write_json, read_json
+from .weights import load_hf_state_dict, non_finite_tensors, read_safetensors, save_pretrained
 
 STATE_FILE = "trainer_state.json"
 _CHECKPOINT_NAME = re.compile(r"checkpoint-\d+")  # not checkpoint-3.tmp / .old leftovers

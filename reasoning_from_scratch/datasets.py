@@ -21,6 +21,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from .arithmetic import make_split
+
 
 @dataclass(frozen=True)
 class DataSource:
@@ -247,7 +249,6 @@ ARITH_DEFAULT_SIZES = {"train": 10_000, "val": 500, "test": 500}
 def load_arith(split="test", n=None, seed=None, level_weights=None):
     """`n` problems of the arithmetic world's fixed split (see `arithmetic.make_split`); levels
     1-5 drawn uniformly, or by `level_weights` (five numbers)."""
-    from .arithmetic import make_split  # lazy: keeps this module importable on its own
 
     if n is None:
         if split not in ARITH_DEFAULT_SIZES:

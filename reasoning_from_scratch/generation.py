@@ -8,6 +8,8 @@
   prompts) decoded as one batch (GRPO rollouts).
 - `generate_batch`: different prompts, left padded (evaluation).
 - `TextStreamer`: a `generate` callback that prints the text of row 0 as it is produced.
+- `ChatState` / `new_chat` / `chat_turn`: multi-turn chat in the tokenizer's chat template whose
+  KV cache is kept between turns (each turn prefills only what the cache does not hold yet).
 
 `tokenizer` is anything with `encode(str) -> list[int]`, `decode(ids, skip_special_tokens=...)`,
 `eos_token_id` and `pad_token_id`.
@@ -19,7 +21,7 @@ fed to training forward passes (GRPO), and inference-mode tensors cannot be save
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +39,11 @@ __all__ = [
     "generate_batch",
     "TextStreamer",
     "stop_token_ids",
+    "chat_stop_ids",
+    "ChatState",
+    "ChatReply",
+    "new_chat",
+    "chat_turn",
 ]
 
 
@@ -157,6 +164,7 @@ def generate(
     pad_token_id: int | None = None,
     callback: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     return_logprobs: bool = False,
+    cache: KVCache | None = None,
 ) -> GenerationOutput:
     """Batched KV-cache decoding of `input_ids` (B, P), left padded per `attention_mask`.
 
@@ -167,6 +175,9 @@ def generate(
     `callback(new_tokens (B*,), is_real (B*,))`, if given, is called after every step
     (used for streaming). `return_logprobs` records log softmax(logits / T) of every chosen token
     (T = temperature, 1 for greedy; before top-p/top-k, the distribution the trainer sees).
+    `cache`: continue an existing KVCache (multi-turn chat): `input_ids` are then only the new
+    tokens, prefilled on top of what it holds; on return it also holds every generated token but
+    the last (which is never fed back). None (default): a fresh cache per call.
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -188,7 +199,8 @@ def generate(
     logps: list[torch.Tensor] = []
     finished = torch.zeros(BG, dtype=torch.bool, device=dev)
     if max_new_tokens > 0:
-        cache = KVCache(model.cfg.num_hidden_layers)
+        if cache is None:
+            cache = KVCache(model.cfg.num_hidden_layers)
         logits = model(input_ids, attention_mask, cache, last_only=True)[:, -1]  # (B, V)
         if G > 1:
             cache.expand(G)  # G rollouts share this prefill
@@ -428,12 +440,18 @@ def generate_batch(
 class TextStreamer:
     """`generate` callback printing row 0's text as it grows (EOS and padding not shown)."""
 
-    def __init__(self, tokenizer, write: Callable[[str], object] | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        write: Callable[[str], object] | None = None,
+        stop_ids: Sequence[int] | None = None,
+    ):
         self.tokenizer = tokenizer
         self.write = write or (lambda s: print(s, end="", flush=True))
         self.ids: list[int] = []
         self.printed = ""
-        self.eos = set(stop_token_ids(tokenizer))
+        # The ids not shown; default: the tokenizer's EOS ids (chat passes `chat_stop_ids`).
+        self.eos = set(stop_token_ids(tokenizer) if stop_ids is None else stop_ids)
 
     def __call__(self, new_tokens: torch.Tensor, is_real: torch.Tensor) -> None:
         token = int(new_tokens[0])
@@ -446,3 +464,156 @@ class TextStreamer:
             return
         self.write(text[len(self.printed) :])
         self.printed = text
+
+
+# ----------------------------------------------------------------------------- multi-turn chat
+
+
+def chat_stop_ids(tokenizer) -> list[int]:
+    """EOS ids plus <|im_end|>: a chat turn ends there even when the config's EOS is another id."""
+    ids = stop_token_ids(tokenizer)
+    try:
+        im_end = int(tokenizer.im_end_token_id)
+    except (AttributeError, KeyError):  # tokenizer without a chat vocabulary
+        return ids
+    return ids if im_end in ids else [*ids, im_end]
+
+
+@dataclass
+class ChatState:
+    """One conversation: its messages and a KV cache (batch of one) of the tokens in `ids`."""
+
+    cache: KVCache
+    messages: list[dict] = field(default_factory=list)  # system/user/assistant, template input
+    ids: list[int] = field(default_factory=list)  # tokens whose keys/values `cache` holds
+
+
+@dataclass
+class ChatReply:
+    """What one `chat_turn` produced, and what it cost."""
+
+    text: str  # the reply, special tokens (<think>) kept, the final stop token dropped
+    completion_ids: list[int]  # generated ids, incl. the stop token that ended them
+    truncated: bool  # True if max_new_tokens ran out before a stop token
+    reused: int  # prompt tokens whose keys/values came from the cache
+    prefilled: int  # prompt tokens fed to the model before decoding
+
+
+def new_chat(model, system: str | None = None) -> ChatState:
+    """An empty conversation (optionally with a system message) with an empty KV cache."""
+    messages = [{"role": "system", "content": system}] if system else []
+    return ChatState(cache=KVCache(model.cfg.num_hidden_layers), messages=messages)
+
+
+def _truncate_cache(cache: KVCache, keep: int) -> None:
+    """Drop every cached position from `keep` on, in place (keys, values, mask, positions)."""
+    if keep >= cache.seq_len:
+        return
+    if keep == 0:
+        cache.keys = [None] * cache.num_layers
+        cache.values = [None] * cache.num_layers
+        cache.key_mask = cache.next_pos = None
+        return
+    for i in range(cache.num_layers):
+        cache.keys[i] = cache.keys[i][:, :, :keep]  # (B, H_kv, keep, D)
+        cache.values[i] = cache.values[i][:, :, :keep]
+    cache.key_mask = cache.key_mask[:, :keep]  # (B, keep)
+    cache.next_pos = cache.key_mask.sum(dim=1)  # (B,) real tokens left = next position
+
+
+def _cached_prefix(tokenizer, ids: list[int], text: str) -> tuple[int, int]:
+    """(k, n): the first k of `ids` decode to text[:n]; k is the longest such prefix found.
+
+    Compared as text, not as ids, so generated tokens are kept even where encoding the text
+    afresh would split it differently (BPE need not reproduce a model's own tokenization).
+    """
+
+    def decoded(k: int) -> str:
+        return tokenizer.decode(ids[:k], skip_special_tokens=False)
+
+    full = decoded(len(ids))
+    if text.startswith(full):  # the usual case: nothing the template re-renders differently
+        return len(ids), len(full)
+    # Binary search between a prefix that agrees (lo) and one that does not (hi). A cut inside a
+    # multi-byte character decodes to U+FFFD and can stop the search a few tokens early: those
+    # tokens are merely prefilled again.
+    lo, hi = 0, len(ids)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if text.startswith(decoded(mid)):
+            lo = mid
+        else:
+            hi = mid
+    return lo, len(decoded(lo))
+
+
+@torch.no_grad()
+def chat_turn(
+    model,
+    tokenizer,
+    state: ChatState,
+    user_text: str,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    enable_thinking: bool = True,
+    callback: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> ChatReply:
+    """Answer `user_text` in the conversation `state`, updating it in place (messages, cache, ids).
+
+    The model always sees exactly what the chat template renders for the whole conversation
+    (`tokenizer.apply_chat_template(messages)`), but only the part of it the cache does not
+    already hold is prefilled: the cache is kept up to the first token where the cached text and
+    the newly rendered text differ, cut there, and the rest of the rendered text is encoded and
+    prefilled. Usually that is just the end of the previous reply (its stop token, which is
+    sampled but never fed back), the new user message and the assistant header.
+
+    The cache and Qwen3's template disagree when a previous reply held a reasoning block: the
+    template renders earlier assistant turns *without* their `<think>...</think>` (and without
+    the empty think block that `enable_thinking=False` puts in the generation prompt), so the
+    rendered history differs from the tokens generated, right after that turn's
+    "<|im_start|>assistant\\n". Keeping those keys/values would show the model its old reasoning,
+    at other positions than in the template's text, and the answer tokens after it have
+    attended to that reasoning, so they cannot be reused either. We therefore cut the cache at
+    that point and re-prefill the previous answer (without its reasoning) plus the new message:
+    the same result as generating from scratch on the rendered conversation, at the cost of the
+    previous answer's tokens, never the whole history. Replies without a think block (thinking
+    models answering in non-thinking mode aside) cost nothing extra.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    messages = [*state.messages, {"role": "user", "content": user_text}]
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
+    keep, n_chars = _cached_prefix(tokenizer, state.ids, text)
+    if n_chars == len(text) and keep > 0:
+        # Everything is cached already, but the next token needs logits: feed the last one again.
+        keep, n_chars = _cached_prefix(tokenizer, state.ids[: keep - 1], text)
+    new_ids = tokenizer.encode(text[n_chars:])
+    if not new_ids:
+        raise ValueError("the chat template rendered an empty prompt")
+    _truncate_cache(state.cache, keep)
+    device = model.device
+    out = generate(
+        model,
+        torch.tensor([new_ids], dtype=torch.long, device=device),  # (1, T_new)
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_token_id=chat_stop_ids(tokenizer),
+        generator=generator,
+        callback=callback,
+        cache=state.cache,
+    )
+    completion = out.completion_ids[0, : int(out.lengths[0])].tolist()
+    truncated = bool(out.truncated[0])
+    reply_ids = completion if truncated else completion[:-1]  # without the stop token
+    reply = tokenizer.decode(reply_ids, skip_special_tokens=False)
+    # The last sampled token (the stop token, or the final one at max_new_tokens) is not cached.
+    state.ids = [*state.ids[:keep], *new_ids, *completion[:-1]]
+    state.messages = [*messages, {"role": "assistant", "content": reply}]
+    return ChatReply(reply, completion, truncated, reused=keep, prefilled=len(new_ids))

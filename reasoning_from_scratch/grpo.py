@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .generation import sample_rollouts_batch
-from .process import make_process_advantage_fn
+from .process_supervision import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
 from .tokenizer import pad_id_of

@@ -17,7 +17,8 @@ Per run: final held-out accuracy and accuracy among think-format answers (greedy
 mean token entropy over the last 10 steps, mean length of wrong and of right training rollouts
 over the last 20% of steps (samples.jsonl; length bias), clip fraction (low + high, mean over
 steps), mean KL over the last 10 steps, training seconds (the trainer's step times). The table
-(`write_table`) has mean +- sd over seeds; `plot_comparison` draws accuracy and entropy per arm.
+(`write_comparison_table`) has mean +- sd over seeds; `plot_comparison` draws accuracy and
+entropy per arm.
 Runs are resumable and reused like chapter 8's (`experiments.resume_point`).
 """
 
@@ -43,9 +44,9 @@ from .experiments import (
     settings_diff,
     stat,
 )
+from .files import atomic_write_json
 from .run_log import read_metrics
 from .training import CHAPTER6_RECIPE, GRPOConfig, evaluate_policy, train_grpo
-from .weights import atomic_write_json
 
 # The shared settings of every arm (GRPOConfig overrides): 60 steps x 8 prompts x 8 rollouts.
 COMPARISON_DEFAULTS = dict(steps=60, prompts_per_step=8, num_rollouts=8, eval_every=0,
@@ -78,19 +79,19 @@ DEFAULT_ARMS = ",".join(a for a in ARMS if a != "dynamic")
 COSMETIC = ("output_dir", "progress", "eval_batch_size")
 
 
-def run_config(arm, seed, shared: dict, run_dir) -> GRPOConfig:
+def _run_config(arm, seed, shared: dict, run_dir) -> GRPOConfig:
     """One run's GRPOConfig: the shared values, the arm's overrides, the seed."""
     return GRPOConfig.from_dict({**shared, **ARMS[arm][1], "seed": seed,
                                  "output_dir": str(run_dir)})
 
 
-def run_settings(config: GRPOConfig, data: dict) -> dict:
+def _run_settings(config: GRPOConfig, data: dict) -> dict:
     """What decides a run's result (a finished run is reused only if these match)."""
     s = {k: v for k, v in asdict(config).items() if k not in COSMETIC}
     return json.loads(json.dumps({**s, **data}))
 
 
-def base_figures(model, tokenizer, held_out, device, config, data, out: Path):
+def _base_figures(model, tokenizer, held_out, device, config, data, out: Path):
     """The base model's held-out figures, evaluated once and cached in base.json."""
     settings = {**data, "eval_examples": config.eval_examples,
                 "max_new_tokens": config.eval_max_new_tokens or config.max_new_tokens}
@@ -104,7 +105,7 @@ def base_figures(model, tokenizer, held_out, device, config, data, out: Path):
     return figures
 
 
-def run_figures(run_dir: Path, config: GRPOConfig, summary: dict) -> dict:
+def _run_figures(run_dir: Path, config: GRPOConfig, summary: dict) -> dict:
     """The table's figures of one finished run, from summary.json, metrics.csv, samples.jsonl."""
     rows = read_metrics(run_dir / "metrics.csv")
     last = rows[-10:]
@@ -129,11 +130,11 @@ def run_figures(run_dir: Path, config: GRPOConfig, summary: dict) -> dict:
     }
 
 
-def run_one(arm, seed, shared, data, model, tokenizer, train, held_out, device, base, out):
+def _run_one(arm, seed, shared, data, model, tokenizer, train, held_out, device, base, out):
     """Train (or reuse, or resume) one arm x seed; returns its figures."""
     run_dir = out / f"{arm}-seed{seed}"
-    config = run_config(arm, seed, shared, run_dir)
-    settings = run_settings(config, data)
+    config = _run_config(arm, seed, shared, run_dir)
+    settings = _run_settings(config, data)
     done = run_dir / "figures.json"
     if done.is_file():
         saved = json.loads(done.read_text())
@@ -147,7 +148,7 @@ def run_one(arm, seed, shared, data, model, tokenizer, train, held_out, device, 
     atomic_write_json(run_dir / SETTINGS_FILE, settings)
     summary = train_grpo(copy.deepcopy(model), tokenizer, train, held_out, device, config,
                          resume_from=resume, base_evaluation=base)
-    figures = run_figures(run_dir, config, summary)
+    figures = _run_figures(run_dir, config, summary)
     for ckpt in [run_dir / "final", run_dir / "reference"]:  # keep the disk small
         if ckpt.is_dir():
             shutil.rmtree(ckpt)
@@ -159,14 +160,14 @@ FIGURES = ("accuracy", "think_accuracy", "step_correctness", "entropy", "wrong_l
            "right_length", "clip_frac", "kl", "train_seconds")
 
 
-def summarise(results: dict) -> list[dict]:
+def summarise_comparison(results: dict) -> list[dict]:
     """Table rows: {arm, label, seeds, <figure>: {"mean", "sd"}} from {arm: {seed: figures}}."""
     return [{"arm": arm, "label": ARMS[arm][0], "seeds": sorted(runs),
              **{k: stat([f[k] for f in runs.values()]) for k in FIGURES}}
             for arm, runs in results.items() if runs]
 
 
-def write_table(rows, base, path, note="") -> str:
+def write_comparison_table(rows, base, path, note="") -> str:
     """results.md: the comparison table (mean ± sd over seeds) with its definitions."""
     lines = [
         "| arm | seeds | accuracy | think acc. | entropy (end) | wrong len | right len | "
@@ -220,7 +221,7 @@ def run_comparison(model, tokenizer, train, held_out, device, shared: dict, data
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = GRPOConfig.from_dict(shared)
-    base = base_figures(model, tokenizer, held_out, device, config, data, out)
+    base = _base_figures(model, tokenizer, held_out, device, config, data, out)
     log(f"base model: accuracy {format_value(base['accuracy'])}, think accuracy "
         f"{format_value(base['think_accuracy'])}")
     results = {arm: {} for arm in arms}
@@ -231,18 +232,18 @@ def run_comparison(model, tokenizer, train, held_out, device, shared: dict, data
                 if done.is_file():
                     results[arm][seed] = json.loads(done.read_text())["figures"]
                 continue
-            f = run_one(arm, seed, shared, data, model, tokenizer, train, held_out, device, base,
+            f = _run_one(arm, seed, shared, data, model, tokenizer, train, held_out, device, base,
                         out)
             results[arm][seed] = f
             log(f"{arm} seed {seed}: accuracy {format_value(f['accuracy'])}, think accuracy "
                 f"{format_value(f['think_accuracy'])}, entropy {format_value(f['entropy'])}, "
                 f"{f['train_seconds']:.0f}s")
-    rows = summarise(results)
+    rows = summarise_comparison(results)
     if not rows:
         raise SystemExit(f"no finished runs in {out}")
     note = (f"{shared['steps']} steps x {shared['prompts_per_step']} prompts x "
             f"{shared['num_rollouts']} rollouts per run; held-out: {len(held_out)} problems.")
-    table = write_table(rows, base, out / "results.md", note)
+    table = write_comparison_table(rows, base, out / "results.md", note)
     plot_comparison(rows, base, out / "grpo_variants.png")
     atomic_write_json(out / "results.json", jsonable({"base": base, "rows": rows,
                                                       "runs": results, "shared": shared,

@@ -32,10 +32,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .arithmetic import make_split
+from .files import atomic_save_safetensors, atomic_write_json, read_json
 from .interrupts import defer_interrupts
 from .process import split_steps, step_texts, token_step_owners
+from .prompts import render_prompt
 from .qwen3 import Qwen3Config, Qwen3Model
-from .tokenizer import pad_id_of, read_json
+from .step_scorers import (
+    MonteCarloStepScorer,
+    StepScorer,
+    VerifierStepScorer,
+    as_step_scorer,
+    sample_continuations,
+)
+from .tokenizer import pad_id_of
+from .weights import load_pretrained, read_safetensors, save_pretrained
 
 HEAD_FILE = "prm_head.safetensors"
 CONFIG_FILE = "prm_config.json"
@@ -152,6 +163,23 @@ def score_steps_batch(prm: ProcessRewardModel, tokenizer, items, batch_size: int
 # ----------------------------------------------------------------------------------------------
 
 
+class PRMStepScorer(StepScorer):
+    """Rewards from a trained `ProcessRewardModel`: P(step correct) in [0, 1] per step."""
+
+    name = "prm"
+
+    def __init__(self, prm, tokenizer, batch_size: int = 32):
+        self.prm, self.tokenizer, self.batch_size = prm, tokenizer, batch_size
+
+    def score_group(self, prompt, steps_per_completion, example):
+        return score_steps_batch(self.prm, self.tokenizer,
+                                 [(prompt, list(s)) for s in steps_per_completion],
+                                 batch_size=self.batch_size)
+
+    def score(self, prompt, steps, example):
+        return self.score_group(prompt, [steps], example)[0]
+
+
 def prm_loss(prm: ProcessRewardModel, tokenizer, records, pos_weight: float | None = None):
     """Mean binary cross-entropy over all steps of a batch of stepwise records (a tensor)."""
     device = next(prm.parameters()).device
@@ -232,7 +260,6 @@ def train_prm(prm: ProcessRewardModel, tokenizer, records, epochs: int = 3, lr: 
 
 def save_prm(prm: ProcessRewardModel, tokenizer, out_dir) -> Path:
     """Backbone in the HF layout + `prm_head.safetensors` + `prm_config.json` (atomic writes)."""
-    from .weights import atomic_save_safetensors, atomic_write_json, save_pretrained
 
     out_dir = Path(out_dir)
     save_pretrained(prm.backbone, tokenizer, out_dir)
@@ -250,7 +277,6 @@ def save_prm(prm: ProcessRewardModel, tokenizer, out_dir) -> Path:
 
 def load_prm(path, device=None, dtype=None) -> tuple[ProcessRewardModel, object]:
     """(prm, tokenizer) saved by `save_prm`; the PRM is in eval mode."""
-    from .weights import load_pretrained, read_safetensors
 
     path = Path(path)
     cfg_path = path / CONFIG_FILE
@@ -289,8 +315,6 @@ def make_prm_dataset(model, tokenizer, examples, step_scorer, num_samples: int =
     the tokens sampled here are added to its "generated_tokens" entry (the scorer counts its own,
     see `cost()`).
     """
-    from .prompts import render_prompt
-    from .step_scorers import as_step_scorer, sample_continuations
 
     scorer = as_step_scorer(step_scorer)
     prompts = [render_prompt(ex["problem"]) for ex in examples]
@@ -315,7 +339,6 @@ def make_prm_dataset(model, tokenizer, examples, step_scorer, num_samples: int =
 
 def make_prm_dataset_from_verifier(model, tokenizer, examples, **kwargs) -> list[dict]:
     """`make_prm_dataset` labelled by the exact arithmetic verifier (`VerifierStepScorer`)."""
-    from .step_scorers import VerifierStepScorer
 
     return make_prm_dataset(model, tokenizer, examples, VerifierStepScorer(), **kwargs)
 
@@ -327,7 +350,6 @@ def make_prm_dataset_from_mc(model, tokenizer, examples, num_continuations: int 
     With `mode="hard"` a step is labelled correct when any of `num_continuations` rollouts from
     it reaches the right answer (Math-Shepherd's hard estimate); with "soft", when at least half do.
     """
-    from .step_scorers import MonteCarloStepScorer
 
     mc = MonteCarloStepScorer(model, tokenizer, num_continuations=num_continuations, mode=mode,
                               max_new_tokens=kwargs.get("max_new_tokens", 96),
@@ -361,9 +383,6 @@ def train_prm_on_arithmetic(policy, tokenizer, out_dir, labels: str = "verifier"
     seconds. `info` entries (e.g. the model name) are added to the report. Seeds torch's global
     RNG with `seed` (the head's initialisation).
     """
-    from .arithmetic import make_split
-    from .step_scorers import MonteCarloStepScorer, VerifierStepScorer
-    from .weights import atomic_write_json
 
     if labels not in ("verifier", "mc"):
         raise ValueError(f"labels must be 'verifier' or 'mc', got {labels!r}")

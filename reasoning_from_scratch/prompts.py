@@ -1,8 +1,9 @@
 """Prompt templates for math problems.
 
 `render_prompt` is the one template used for evaluation, for RL training and for the bundled tiny
-model's pretraining corpus, so its exact text is part of the project's contract (see DESIGN.md):
-changing a single character changes what the tiny model has learned to continue.
+model's pretraining corpus, so its exact text is part of the project's contract (see
+docs/tiny_world.md): changing a single character changes what the tiny model has learned to
+continue.
 """
 
 

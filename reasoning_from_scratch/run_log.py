@@ -12,7 +12,7 @@ import io
 import json
 from pathlib import Path
 
-from .weights import atomic_write_text
+from .files import atomic_write_text
 
 
 def format_cell(v):

@@ -9,13 +9,13 @@ completions of a prompt, batched where that saves work). `steps` are the step te
 - `MonteCarloStepScorer`: Math-Shepherd (Wang et al. 2024, arXiv 2312.08935, section 3.3): from
   each step prefix sample k continuations with the current policy; "soft" = fraction that reach
   the correct answer, "hard" = 1 if any does. Costs generated tokens, which it counts.
-- `PRMStepScorer`: a learned process reward model (`prm.ProcessRewardModel`).
 - `ForwardStepScorer` / `CallableStepScorer`: adapters for any object with
   `forward(prompt, step_text) -> float` (the user's sketch) or any callable; `as_step_scorer`
   picks the right one.
 
-`build_step_scorer("verifier" | "verifier-signed" | "mc" | "prm:PATH", ...)` builds one from a
-command-line string.
+The learned PRM's scorer (`PRMStepScorer`) lives in prm.py, next to the model, and
+`process_supervision.build_step_scorer("verifier" | "verifier-signed" | "mc" | "prm:PATH", ...)`
+builds any of them from a command-line string: both sit above this module.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .arithmetic import parse_steps, verify_steps
+from .generation import generate, stop_token_ids
 from .grading import reward_rlvr
 
 
@@ -127,7 +128,6 @@ def sample_continuations(model, tokenizer, texts: Sequence[str], k: int, max_new
     Texts are encoded as they are, left padded into batches of at most `batch_size` rows, and
     each is prefilled once (`generate(num_return_sequences=k)`). The model runs in eval mode.
     """
-    from .generation import generate, stop_token_ids
 
     device = device or next(model.parameters()).device
     pad = getattr(tokenizer, "pad_token_id", None)
@@ -244,25 +244,6 @@ class MonteCarloStepScorer(StepScorer):
 # ----------------------------------------------------------------------------------------------
 
 
-class PRMStepScorer(StepScorer):
-    """Rewards from a trained `prm.ProcessRewardModel`: P(step correct) in [0, 1] per step."""
-
-    name = "prm"
-
-    def __init__(self, prm, tokenizer, batch_size: int = 32):
-        self.prm, self.tokenizer, self.batch_size = prm, tokenizer, batch_size
-
-    def score_group(self, prompt, steps_per_completion, example):
-        from .prm import score_steps_batch
-
-        return score_steps_batch(self.prm, self.tokenizer,
-                                 [(prompt, list(s)) for s in steps_per_completion],
-                                 batch_size=self.batch_size)
-
-    def score(self, prompt, steps, example):
-        return self.score_group(prompt, [steps], example)[0]
-
-
 class ForwardStepScorer(StepScorer):
     """Adapter for an object with `forward(prompt, step_text) -> float` (the user's sketch).
 
@@ -306,28 +287,3 @@ def as_step_scorer(obj) -> StepScorer:
         return CallableStepScorer(obj)
     raise TypeError(f"cannot use {type(obj).__name__} as a step scorer: it needs score(), "
                     "forward(prompt, step_text) or to be callable")
-
-
-def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
-                      **mc_kwargs) -> StepScorer:
-    """A scorer from a command-line spec: verifier | verifier-signed | mc | mc-hard | prm:PATH.
-
-    `mc` samples with `model` (the policy being trained, so it follows the current policy);
-    `mc_kwargs` go to `MonteCarloStepScorer`. `prm:PATH` loads a model saved by `prm.save_prm`.
-    """
-    if spec == "verifier":
-        return VerifierStepScorer()
-    if spec == "verifier-signed":
-        return VerifierStepScorer(signed=True)
-    if spec in ("mc", "mc-hard"):
-        if model is None or tokenizer is None:
-            raise ValueError("the mc step scorer needs the policy model and tokenizer")
-        mode = "hard" if spec == "mc-hard" else "soft"
-        return MonteCarloStepScorer(model, tokenizer, mode=mode, device=device, **mc_kwargs)
-    if spec.startswith("prm:"):
-        from .prm import load_prm
-
-        prm, prm_tokenizer = load_prm(spec[4:], device=device)
-        return PRMStepScorer(prm, prm_tokenizer)
-    raise ValueError(f"unknown step scorer {spec!r}; expected verifier, verifier-signed, mc, "
-                     "mc-hard or prm:PATH")

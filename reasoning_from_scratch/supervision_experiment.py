@@ -78,11 +78,12 @@ from .experiments import (
     stat,
 )
 from .experiments import format_value as _opt  # short: the table lines are long
+from .files import atomic_write_json
 from .prm import train_prm_on_arithmetic
 from .run_log import read_metrics
 from .training import GRPOConfig, evaluate_policy, train_grpo
 from .training_cli import load_grpo_data
-from .weights import atomic_write_json, load_pretrained
+from .weights import load_pretrained
 
 # arm -> (step scorer spec, process variant; None = --process-variant); "prm" gets its path later
 ARMS = {
@@ -115,7 +116,7 @@ PROCESS_FIELDS = ("step_scorer", "process_variant", "step_split", "mc_rollouts")
 # ----------------------------------------------------------------------------------------------
 
 
-def run_config(arm, seed, values, args, prm_path, run_dir):
+def _run_config(arm, seed, values, args, prm_path, run_dir):
     """The GRPOConfig of one run: the shared values plus the arm's supervision."""
     spec, variant = ARMS[arm]
     d = {**values, "seed": seed, "output_dir": str(run_dir), "eval_every": 0,
@@ -130,7 +131,7 @@ def run_config(arm, seed, values, args, prm_path, run_dir):
     return GRPOConfig.from_dict(d)
 
 
-def run_settings(config, args, prm_report=None):
+def _run_settings(config, args, prm_report=None):
     """What decides a run's result: reuse a finished run only if these match."""
     s = {k: v for k, v in asdict(config).items() if k not in COSMETIC}
     if config.supervision == "outcome":
@@ -145,7 +146,7 @@ def run_settings(config, args, prm_report=None):
     return json.loads(json.dumps(s))  # as it reads back from JSON
 
 
-def load_curve(run_dir):
+def _load_curve(run_dir):
     """A finished run's curve.json, or None (none yet, or the old list format)."""
     path = Path(run_dir) / "curve.json"
     if not path.is_file():
@@ -157,7 +158,7 @@ def load_curve(run_dir):
     return curve
 
 
-def cumulative_costs(metrics_csv):
+def _cumulative_costs(metrics_csv):
     """step -> (training seconds, rollout tokens, step-scorer tokens), summed up to that step.
 
     Seconds are the trainer's step_time (rollouts + scoring + updates, no evaluation); tokens are
@@ -172,20 +173,20 @@ def cumulative_costs(metrics_csv):
     return out
 
 
-def make_point(step, costs, figures):
+def _make_point(step, costs, figures):
     """One evaluated checkpoint: step, seconds, cumulative tokens and the held-out figures."""
     secs, gen, scorer = costs.get(step, (math.nan,) * 3)
     return {"step": step, "seconds": secs, "gen_tokens": gen, "scorer_tokens": scorer,
             "tokens": gen + scorer, **figures}
 
 
-def checkpoint_points(run_dir, config, tokenizer, held_out, device, summary):
+def _checkpoint_points(run_dir, config, tokenizer, held_out, device, summary):
     """The points of a trained run: its checkpoints evaluated, then deleted (final/ stays).
 
     Evaluations are cached in evals.json, so an interrupted evaluation resumes; the final
     figures come from the trainer's summary.
     """
-    costs = cumulative_costs(run_dir / "metrics.csv")
+    costs = _cumulative_costs(run_dir / "metrics.csv")
     cache_file = run_dir / "evals.json"
     cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
     points, every = [], config.checkpoint_every
@@ -196,19 +197,19 @@ def checkpoint_points(run_dir, config, tokenizer, held_out, device, summary):
             cache[str(step)] = evaluate_policy(model, tokenizer, held_out[:config.eval_examples],
                                                device, config)
             atomic_write_json(cache_file, cache)
-        points.append(make_point(step, costs, cache[str(step)]))
+        points.append(_make_point(step, costs, cache[str(step)]))
     final = {k: summary[f"final_{k}"] for k in METRICS}
     final["per_level"] = {lv: v["final"] for lv, v in summary.get("per_level", {}).items()}
-    points.append(make_point(config.steps, costs, final))
+    points.append(_make_point(config.steps, costs, final))
     for ckpt in run_dir.glob("checkpoint-*"):
         shutil.rmtree(ckpt)  # keep the disk small
     return points
 
 
-def run_one(config, settings, base_model, tokenizer, train, held_out, device, base=None):
+def _run_one(config, settings, base_model, tokenizer, train, held_out, device, base=None):
     """Train and evaluate one run, or reuse / resume it; returns its curve dict."""
     run_dir = Path(config.output_dir)
-    done = load_curve(run_dir)
+    done = _load_curve(run_dir)
     if done is not None:
         if done.get("settings") != settings:
             changed = settings_diff(done.get("settings") or {}, settings)
@@ -222,13 +223,13 @@ def run_one(config, settings, base_model, tokenizer, train, held_out, device, ba
     summary = train_grpo(model, tokenizer, train, held_out, device, config, resume_from=resume,
                          base_evaluation=base)  # evaluated once for all runs
     del model
-    points = checkpoint_points(run_dir, config, tokenizer, held_out, device, summary)
+    points = _checkpoint_points(run_dir, config, tokenizer, held_out, device, summary)
     curve = {"settings": settings, "summary": summary, "points": points}
     atomic_write_json(run_dir / "curve.json", jsonable(curve))
     return json.loads(json.dumps(jsonable(curve)))
 
 
-def base_figures(base_model, tokenizer, held_out, device, config, args, out):
+def _base_figures(base_model, tokenizer, held_out, device, config, args, out):
     """Held-out figures of the base model (step 0 of every curve), cached in base.json."""
     settings = {"model": args.model, "eval_split": args.eval_split,
                 "eval_examples": config.eval_examples,
@@ -251,7 +252,7 @@ def _prm_settings_differ(a, b):
         k: v for k, v in b.items() if k not in drop}
 
 
-def prepare_prm(args, config, base_model, tokenizer, device, out):
+def _prepare_prm(args, config, base_model, tokenizer, device, out):
     """(path, report) of the prm arm's PRM: --prm, or one trained from the base model once.
 
     The trained one is cached in <output-dir>/prm/; the report (prm_report.json) is None if
@@ -295,7 +296,7 @@ def prepare_prm(args, config, base_model, tokenizer, device, out):
 # ----------------------------------------------------------------------------------------------
 
 
-def first_reaching(points, target):
+def _first_reaching(points, target):
     """Step of the first point whose accuracy is >= target, or None."""
     for p in points:
         if p["accuracy"] is not None and p["accuracy"] >= target - 1e-9:
@@ -303,7 +304,7 @@ def first_reaching(points, target):
     return None
 
 
-def last_within(points, budget):
+def _last_within(points, budget):
     """The last point whose cumulative tokens are <= budget (points are in step order)."""
     inside = [p for p in points if p["tokens"] is not None and p["tokens"] <= budget + 1e-9]
     return inside[-1] if inside else None
@@ -334,11 +335,11 @@ def summarise(curves, base):
                "train_seconds": stat([p["seconds"] for p in last]),
                "steps": max(p["step"] for p in last)}
         if target is not None:
-            row["steps_to_target"] = [first_reaching([start, *pts], target)
+            row["steps_to_target"] = [_first_reaching([start, *pts], target)
                                       for pts in runs.values()]
         if budget is not None:
             # The outcome arm defines the budget: its own row is its final accuracy.
-            chosen = last if arm == "outcome" else [last_within([start, *pts], budget)
+            chosen = last if arm == "outcome" else [_last_within([start, *pts], budget)
                                                     for pts in runs.values()]
             chosen = [p for p in chosen if p is not None]
             row["accuracy_at_budget"] = stat([p["accuracy"] for p in chosen])
@@ -428,7 +429,7 @@ def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
     return text
 
 
-def aggregate(runs, key):
+def _aggregate(runs, key):
     """Per step over the seeds of one arm: (steps, mean tokens, mean, sd) of `key`.
 
     The points without a value (None / NaN) are left out.
@@ -457,7 +458,7 @@ def plot_process_vs_outcome(curves, base, path, token_budget=None):
     for arm, runs in curves.items():
         pts = [[start, *p] for p in runs.values()]
         for row, key in ((0, "accuracy"), (1, "step_correctness")):
-            steps, toks, m, s = aggregate(pts, key)
+            steps, toks, m, s = _aggregate(pts, key)
             for col, x in ((0, steps), (1, [t / 1000 for t in toks])):
                 keep = [i for i, v in enumerate(x) if not math.isnan(v)]
                 xk = [x[i] for i in keep]
@@ -507,20 +508,20 @@ def run_experiment(args, arms, seeds):
     train, held_out = load_grpo_data("arith", args.train_examples, args.eval_split,
                                      config.eval_examples,
                                      getattr(args, "train_level_weights", None))
-    base = base_figures(base_model, tokenizer, held_out, device, config, args, out)
+    base = _base_figures(base_model, tokenizer, held_out, device, config, args, out)
     print("base model: " + ", ".join(f"{k} {_opt(base[k])}" for k in METRICS))
     prm_path = prm_report = None
     if "prm" in arms:
-        prm_path, prm_report = prepare_prm(args, config, base_model, tokenizer, device, out)
-    curves = run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokenizer,
+        prm_path, prm_report = _prepare_prm(args, config, base_model, tokenizer, device, out)
+    curves = _run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokenizer,
                       train, held_out, device, base)
     if not curves:
         raise SystemExit(f"no finished runs in {out}")
-    return write_results(curves, base, out, prm_report, args,
+    return _write_results(curves, base, out, prm_report, args,
                          f"{args.eval_split} split, {len(held_out)} problems")
 
 
-def run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokenizer, train,
+def _run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokenizer, train,
              held_out, device, base=None):
     """{arm: {seed: points}} of the finished runs, training the missing ones (not report_only)."""
     out = Path(args.output_dir)
@@ -530,13 +531,13 @@ def run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokeni
             run_dir = out / f"{arm}-seed{seed}"
             t0 = time.time()
             if args.report_only:
-                curve = load_curve(run_dir)
+                curve = _load_curve(run_dir)
                 if curve is None:
                     continue
             else:
-                cfg = run_config(arm, seed, values, args, prm_path, run_dir)
-                settings = run_settings(cfg, args, prm_report)
-                curve = run_one(cfg, settings, base_model, tokenizer, train, held_out, device,
+                cfg = _run_config(arm, seed, values, args, prm_path, run_dir)
+                settings = _run_settings(cfg, args, prm_report)
+                curve = _run_one(cfg, settings, base_model, tokenizer, train, held_out, device,
                                 base)
             curves[arm][seed] = curve["points"]
             last = curve["points"][-1]
@@ -547,7 +548,7 @@ def run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokeni
     return {arm: runs for arm, runs in curves.items() if runs}
 
 
-def write_results(curves, base, out, prm_report, args, held_out_name):
+def _write_results(curves, base, out, prm_report, args, held_out_name):
     """Summarise the curves into results.md, process_vs_outcome.png and results.json in `out`."""
     summary = summarise(curves, base)
     table = write_table(summary, base, out / "results.md", prm_report, held_out_name)

@@ -47,6 +47,7 @@ from .evaluation import evaluate
 from .prompts import render_prompt
 from .qwen3 import KVCache, Qwen3Model, tiny_config
 from .tokenizer import END_THINK, ENDOFTEXT, IM_END, IM_START, THINK, Qwen3Tokenizer
+from .weights import save_pretrained
 
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK, END_THINK)
 
@@ -448,7 +449,6 @@ def build_tiny_model(
     The corpus holds one fresh document per training sequence (steps * batch_size documents),
     written with the given slip probabilities (see `build_corpus`).
     """
-    from .weights import save_pretrained
 
     t0 = time.time()
     random.seed(seed)

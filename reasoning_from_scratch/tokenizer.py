@@ -9,12 +9,13 @@ layout `transformers.AutoTokenizer` loads.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
+
+from .files import atomic_write_json, atomic_write_text, read_json
 
 # Token ids of <think> / </think> in the real Qwen3 vocabulary (151,669 tokens). Code that works
 # with any tokenizer (e.g. the tiny bundled one) should use `tokenizer.think_token_id` instead.
@@ -91,22 +92,6 @@ def pad_id_of(tokenizer) -> int:
         if value is not None:
             return int(value)
     return 0
-
-
-def read_json(path: str | Path) -> dict:
-    """Read a JSON file; errors name the file (and line for syntax errors)."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} not found") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}, line {err.lineno}: invalid JSON ({err.msg})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object at the top level")
-    return data
 
 
 def _token_string(value: Any) -> str | None:
@@ -408,9 +393,6 @@ class Qwen3Tokenizer:
 
     def save(self, out_dir: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json into out_dir (atomically)."""
-        # Imported here: weights.py imports this module, and owns the atomic-write helpers.
-        from .weights import atomic_write_json, atomic_write_text
-
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out_dir / "tokenizer.json", self._tok.to_str(pretty=True))

@@ -34,6 +34,7 @@ from .checkpoints import (
     save_checkpoint,
 )
 from .evaluation import evaluate
+from .files import atomic_write_json
 from .grpo import (
     KL_ESTIMATORS,
     LOSS_TYPES,
@@ -48,7 +49,7 @@ from .grpo import (
 )
 from .interrupts import defer_interrupts
 from .plotting import plot_grpo_metrics
-from .process import make_process_advantage_fn
+from .process_supervision import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
 from .run_log import MetricsLog, append_samples, truncate_samples
@@ -63,7 +64,7 @@ from .validation import (
     positive,
     probability,
 )
-from .weights import atomic_write_json, save_pretrained
+from .weights import save_pretrained
 
 METRIC_COLUMNS = [
     "step", "loss", "pg_loss", "kl", "reward_mean", "reward_std", "correct_mean", "format_mean",

@@ -7,6 +7,7 @@ import torch
 
 from reasoning_from_scratch.arithmetic import format_solution, make_split
 from reasoning_from_scratch.prm import (
+    PRMStepScorer,
     ProcessRewardModel,
     encode_steps,
     evaluate_prm,
@@ -19,7 +20,7 @@ from reasoning_from_scratch.prm import (
 from reasoning_from_scratch.process import split_steps, step_texts
 from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
-from reasoning_from_scratch.step_scorers import PRMStepScorer, VerifierStepScorer
+from reasoning_from_scratch.step_scorers import VerifierStepScorer
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,15 @@
-"""Tests for step_scorers.py and the rollouts -> token-advantage glue of process.py."""
+"""Tests for step_scorers.py and the rollouts -> token-advantage glue (process_supervision.py)."""
 
 import pytest
 import torch
 
 from reasoning_from_scratch.arithmetic import format_solution, make_split
 from reasoning_from_scratch.generation import Rollouts
-from reasoning_from_scratch.process import (
+from reasoning_from_scratch.process import process_advantages, split_steps, step_texts
+from reasoning_from_scratch.process_supervision import (
     ProcessAdvantageFn,
-    process_advantages,
+    build_step_scorer,
     process_token_advantages,
-    split_steps,
-    step_texts,
 )
 from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
@@ -21,7 +20,6 @@ from reasoning_from_scratch.step_scorers import (
     StepScorer,
     VerifierStepScorer,
     as_step_scorer,
-    build_step_scorer,
 )
 
 EXAMPLE = {"problem": "Compute ((17+25)*3)-8", "answer": "118",
@@ -239,7 +237,7 @@ def test_process_advantage_hook_shapes(tokenizer):
 def test_three_step_process_supervised_training_run(tokenizer, tmp_path):
     import csv
 
-    from reasoning_from_scratch.process import make_process_advantage_fn
+    from reasoning_from_scratch.process_supervision import make_process_advantage_fn
     from reasoning_from_scratch.training import GRPOConfig, train_grpo
 
     torch.manual_seed(0)
@@ -280,7 +278,7 @@ def test_completion_steps_edge_cases(tokenizer):
 
 
 def test_make_process_advantage_fn_with_mc(tokenizer):
-    from reasoning_from_scratch.process import make_process_advantage_fn
+    from reasoning_from_scratch.process_supervision import make_process_advantage_fn
 
     torch.manual_seed(0)
     model = Qwen3Model(tiny_config(vocab_size=tokenizer.vocab_size, num_hidden_layers=1)).eval()

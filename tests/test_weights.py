@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_tokenizer import build_tokenizer_json
 
-from reasoning_from_scratch import weights
+from reasoning_from_scratch import files
 from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
 from reasoning_from_scratch.tokenizer import Qwen3Tokenizer
 from reasoning_from_scratch.weights import (
@@ -234,7 +234,7 @@ def test_failed_write_keeps_old_file(saved, monkeypatch):
             f.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(weights, "save_file", boom)
+    monkeypatch.setattr(files, "save_file", boom)  # the atomic writer's safetensors call
     with pytest.raises(OSError, match="disk full"):
         save_pretrained(make_model(seed=1), tok, out)
     assert (out / "model.safetensors").read_bytes() == before

@@ -1,0 +1,150 @@
+"""Process supervision in the GRPO loop (DeepSeekMath section 4.1.3): step scorers built from a
+spec, completions split into steps and scored, the step rewards turned into token advantages.
+
+`make_process_advantage_fn` returns the `advantage_fn` hook of `grpo.collect_rollouts`. It sits
+above the pieces it combines, so they never import it: `process.py` (steps, token mapping,
+advantage formulas) < `step_scorers.py` (verifier, Monte-Carlo) < `prm.py` (the learned PRM and
+its scorer) < this module.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .prm import PRMStepScorer, load_prm
+from .process import VARIANTS, completion_steps, process_advantages, step_statistics
+from .step_scorers import MonteCarloStepScorer, StepScorer, VerifierStepScorer, as_step_scorer
+
+
+def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
+                      **mc_kwargs) -> StepScorer:
+    """A scorer from a command-line spec: verifier | verifier-signed | mc | mc-hard | prm:PATH.
+
+    `mc` samples with `model` (the policy being trained, so it follows the current policy);
+    `mc_kwargs` go to `MonteCarloStepScorer`. `prm:PATH` loads a model saved by `prm.save_prm`.
+    """
+    if spec == "verifier":
+        return VerifierStepScorer()
+    if spec == "verifier-signed":
+        return VerifierStepScorer(signed=True)
+    if spec in ("mc", "mc-hard"):
+        if model is None or tokenizer is None:
+            raise ValueError("the mc step scorer needs the policy model and tokenizer")
+        mode = "hard" if spec == "mc-hard" else "soft"
+        return MonteCarloStepScorer(model, tokenizer, mode=mode, device=device, **mc_kwargs)
+    if spec.startswith("prm:"):
+        prm, prm_tokenizer = load_prm(spec[4:], device=device)
+        return PRMStepScorer(prm, prm_tokenizer)
+    raise ValueError(f"unknown step scorer {spec!r}; expected verifier, verifier-signed, mc, "
+                     "mc-hard or prm:PATH")
+
+
+def process_token_advantages(
+    rollouts, example: dict, tokenizer, step_scorer, prompt: str | None = None,
+    variant: str = "sum", split_mode: str = "tags", pattern: str | None = None,
+    outcome_advantages=None, eps: float = 1e-4,
+) -> tuple[torch.Tensor, dict]:
+    """Process advantages `(G, T)` for the G rollouts of one prompt (`generation.Rollouts`).
+
+    Splits each completion into steps, maps them onto its generated tokens, scores the steps with
+    `step_scorer` (anything `step_scorers.as_step_scorer` accepts) and applies
+    `process_advantages` with `variant`. T is `rollouts.completion_ids.shape[1]`. Returns the
+    advantages and an info dict: `steps` (texts), `step_rewards`, `step_ends`, `stats`
+    (`step_statistics` plus the scorer's cost).
+    """
+    scorer = as_step_scorer(step_scorer)
+    if prompt is None:
+        prompt = tokenizer.decode(rollouts.prompt_ids.tolist(), skip_special_tokens=False)
+    G, T = rollouts.completion_ids.shape
+    steps, ends = [], []
+    for g in range(G):
+        s, e = completion_steps(tokenizer, rollouts.completion_ids[g], int(rollouts.lengths[g]),
+                                rollouts.texts[g], bool(rollouts.truncated[g]), split_mode, pattern)
+        steps.append(s)
+        ends.append(e)
+    rewards = scorer.score_group(prompt, steps, example)
+    for g, (rs, ss) in enumerate(zip(rewards, steps)):
+        if len(rs) != len(ss):
+            raise ValueError(f"process_token_advantages: the step scorer gave {len(rs)} rewards "
+                             f"for the {len(ss)} steps of completion {g}")
+    lengths = [int(x) for x in rollouts.lengths]
+    adv = torch.zeros(G, T, dtype=torch.float32)  # (G, T)
+    if max(lengths, default=0) > 0:
+        a = process_advantages(rewards, ends, lengths, variant, outcome_advantages, eps)
+        adv[:, : a.shape[1]] = a
+    stats = step_statistics(rewards, ends)
+    stats.update(scorer.cost())
+    return adv, {"steps": steps, "step_rewards": rewards, "step_ends": ends, "stats": stats}
+
+
+class ProcessAdvantageFn:
+    """The `advantage_fn` hook of `grpo.collect_rollouts`: token-level process advantages.
+
+    Called as `fn(groups, outcome_advantages (N, G), completion_mask (B, Tc)) -> (B, Tc)`, where
+    `groups` are `(example, rollouts, scored)` tuples. The outcome advantages are used only by
+    the `"process+outcome"` variant. After each call `last_stats` holds the mean over groups of
+    `step_statistics` (and the scorer's cumulative cost), for metrics.csv.
+    """
+
+    def __init__(self, tokenizer, step_scorer, variant: str = "sum", split_mode: str = "tags",
+                 pattern: str | None = None):
+        if variant not in VARIANTS:
+            raise ValueError(f"ProcessAdvantageFn: unknown variant {variant!r}; "
+                             f"expected {VARIANTS}")
+        self.tokenizer = tokenizer
+        self.step_scorer = as_step_scorer(step_scorer)
+        self.variant, self.split_mode, self.pattern = variant, split_mode, pattern
+        self.last_stats: dict[str, float] = {}
+        self.last_infos: list[dict] = []
+
+    def __call__(self, groups, outcome_advantages, completion_mask) -> torch.Tensor:
+        Tc = completion_mask.shape[1]
+        rows, infos = [], []
+        for n, group in enumerate(groups):
+            example, ro = group[0], group[1]
+            oa = outcome_advantages[n] if self.variant == "process+outcome" else None
+            adv, info = process_token_advantages(
+                ro, example, self.tokenizer, self.step_scorer, variant=self.variant,
+                split_mode=self.split_mode, pattern=self.pattern, outcome_advantages=oa,
+            )
+            T = min(adv.shape[1], Tc)
+            padded = torch.zeros(adv.shape[0], Tc, dtype=torch.float32)
+            padded[:, :T] = adv[:, :T]
+            rows.append(padded)
+            infos.append(info)
+        self.last_infos = infos
+        keys = {k for info in infos for k in info["stats"]}
+        self.last_stats = {}
+        for k in sorted(keys):
+            vals = [info["stats"][k] for info in infos if k in info["stats"]]
+            vals = [v for v in vals if not math.isnan(v)]
+            self.last_stats[k] = sum(vals) / len(vals) if vals else float("nan")
+        out = torch.cat(rows) if rows else torch.zeros(0, Tc)
+        return out.to(completion_mask.device) * completion_mask.to(out.device)
+
+
+#: metrics.csv columns filled from `ProcessAdvantageFn.last_stats` (MC cost columns only for mc).
+PROCESS_METRIC_COLUMNS = [
+    "steps_per_completion", "steps_per_completion_max", "tokens_per_step", "step_reward_mean",
+    "step_reward_std", "step_correct_rate", "first_error_step", "error_free_rate",
+    "mc_generated_tokens", "mc_rollouts", "mc_seconds",
+]
+
+
+def make_process_advantage_fn(
+    tokenizer, step_scorer="verifier", variant: str = "sum", split_mode: str = "tags",
+    pattern: str | None = None, model=None, device=None, mc_rollouts: int = 4,
+    mc_max_new_tokens: int = 64, mc_temperature: float = 1.0, mc_generator=None,
+) -> ProcessAdvantageFn:
+    """A `ProcessAdvantageFn` from a scorer object or a spec string (verifier | verifier-signed |
+    mc | mc-hard | prm:PATH, see `build_step_scorer`); `mc` samples with `model`,
+    the policy being trained, so its values follow the current policy."""
+    if isinstance(step_scorer, str):
+        mc_kwargs = {}
+        if step_scorer.startswith("mc"):
+            mc_kwargs = dict(num_continuations=mc_rollouts, max_new_tokens=mc_max_new_tokens,
+                             temperature=mc_temperature, generator=mc_generator)
+        step_scorer = build_step_scorer(step_scorer, model, tokenizer, device, **mc_kwargs)
+    return ProcessAdvantageFn(tokenizer, step_scorer, variant, split_mode, pattern)
