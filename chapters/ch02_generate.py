@@ -141,9 +141,10 @@ def main(argv=None):
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        eos_token_id=stop_token_ids(tokenizer),
+        # a chat answer ends at <|im_end|>, which need not be the model's EOS
+        eos_token_id=chat_stop_ids(tokenizer) if args.chat else stop_token_ids(tokenizer),
         generator=generator,
-        callback=TextStreamer(tokenizer),
+        callback=TextStreamer(tokenizer, stop_ids=chat_stop_ids(tokenizer) if args.chat else None),
     )
     seconds = time.perf_counter() - start
     n = int(out.lengths[0])
