@@ -1,11 +1,20 @@
-"""Benchmark: G sequential `sample_response` calls vs one batched `sample_rollouts(G)`.
+"""Benchmark: the generation speed knobs, each timed side by side with its baseline in one run.
 
-Both paths decode the same number of tokens from the same random model (EOS disabled, so every
-completion runs to max_new_tokens) and the script prints tokens/s and the speed-up ratio, at a
-tiny size and at Qwen3-0.6B size. Not a test: numbers depend on the machine.
+- rollouts: one batched `sample_rollouts(G)` vs G sequential `sample_response` calls.
+- prealloc: `generate` with the preallocated KV cache (written in place, the default) vs the
+  cache that grows by `torch.cat` every step (`preallocate=False`).
+- compile: `generate(compile=True)` (the decode step through torch.compile) vs eager; the
+  compilation itself happens in an untimed warm-up and is reported separately.
 
-    python benchmarks/bench_generation.py                    # tiny + 0.6B on the best device
-    python benchmarks/bench_generation.py --sizes tiny --device cpu
+prealloc and compile time `generate` with `num_return_sequences=G` (the decoding loop of
+`sample_rollouts`, without the text encoding/decoding). Every path decodes the same number of
+tokens from the same random model (EOS disabled, so every completion runs to the token budget),
+at a tiny size and at Qwen3-0.6B size (random weights, nothing downloaded), in each dtype asked
+for. Timings are the best of `--repeats` interleaved runs; the table gives tokens/s and the
+ratio knob / baseline (> 1: the knob is faster). Not a test: numbers depend on the machine.
+
+    python benchmarks/bench_generation.py --threads 1              # everything, tiny + 0.6B
+    python benchmarks/bench_generation.py --sizes tiny --dtypes float32 --knobs rollouts
 """
 
 import argparse
@@ -13,9 +22,15 @@ import time
 
 import torch
 
-from reasoning_from_scratch.device import default_dtype, get_device
-from reasoning_from_scratch.generation import sample_response, sample_rollouts
+from reasoning_from_scratch.device import get_device
+from reasoning_from_scratch.generation import generate, sample_response, sample_rollouts
 from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, Qwen3Model, tiny_config
+from reasoning_from_scratch.validation import non_negative_int, positive_int
+
+SIZES = ("tiny", "0.6b")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KNOBS = ("rollouts", "prealloc", "compile")
+SAMPLING = dict(temperature=0.8, top_p=0.9)
 
 
 class NoEosTokenizer:
@@ -34,12 +49,29 @@ class NoEosTokenizer:
         return ""
 
 
+def comma_list(allowed):
+    """argparse type: a comma-separated list whose items are all in `allowed`."""
+
+    def parse(text):
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in allowed]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of "
+                                             f"{', '.join(allowed)}; got {text!r}")
+        return items
+
+    parse.__name__ = "list"
+    return parse
+
+
 def sync(device):
+    """Wait for the device, so that a timer measures finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
 def timed(fn, device) -> float:
+    """Seconds `fn()` takes on `device`."""
     sync(device)
     start = time.perf_counter()
     fn()
@@ -47,72 +79,126 @@ def timed(fn, device) -> float:
     return time.perf_counter() - start
 
 
-def bench(name, cfg, device, dtype, G, new_tokens, prompt_len, repeats=3, seed=0):
-    torch.manual_seed(seed)
-    model = Qwen3Model(cfg).to(device=device, dtype=dtype).eval()
-    tok = NoEosTokenizer(cfg.vocab_size)
-    prompt = "".join(chr(97 + i % 26) for i in range(prompt_len))
+def best_of(baseline, knob, device, repeats) -> tuple[float, float]:
+    """Best seconds of each of two functions, run alternately: robust to other load."""
+    base_s = knob_s = float("inf")
+    for _ in range(repeats):
+        base_s = min(base_s, timed(baseline, device))
+        knob_s = min(knob_s, timed(knob, device))
+    return base_s, knob_s
+
+
+def knob_paths(knob, model, tok, prompt, device, G, new_tokens, seed):
+    """(baseline name, baseline fn, knob name, knob fn) of one knob; each fn decodes G x tokens."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    kw = dict(temperature=0.8, top_p=0.9, generator=gen)
+    ids = torch.tensor([tok.encode(prompt)], device=device)  # (1, P)
 
-    sample_rollouts(model, tok, prompt, G, device, max_new_tokens=2, **kw)  # warm-up
+    def run_generate(**kw):
+        return lambda: generate(model, ids, max_new_tokens=new_tokens, num_return_sequences=G,
+                                generator=gen, **SAMPLING, **kw)
 
-    def sequential():
-        for _ in range(G):
-            sample_response(model, tok, prompt, device, max_new_tokens=new_tokens, **kw)
+    if knob == "rollouts":
+        def sequential():
+            for _ in range(G):
+                sample_response(model, tok, prompt, device, max_new_tokens=new_tokens,
+                                generator=gen, **SAMPLING)
 
-    def batched():
-        sample_rollouts(model, tok, prompt, G, device, max_new_tokens=new_tokens, **kw)
+        def batched():
+            sample_rollouts(model, tok, prompt, G, device, max_new_tokens=new_tokens,
+                            generator=gen, **SAMPLING)
 
-    seq_s = batch_s = float("inf")
-    for _ in range(repeats):  # best of N, interleaved: robust to other load on the machine
-        seq_s = min(seq_s, timed(sequential, device))
-        batch_s = min(batch_s, timed(batched, device))
+        return f"{G} x sample_response", sequential, f"sample_rollouts(G={G})", batched
+    if knob == "prealloc":
+        return ("torch.cat cache", run_generate(preallocate=False),
+                "preallocated cache", run_generate(preallocate=True))
+    return ("eager decode", run_generate(compile=False),
+            "compiled decode", run_generate(compile=True))
+
+
+def bench_knob(knob, model, tok, prompt, device, G, new_tokens, repeats, seed=0) -> dict:
+    """Warm both paths up (compiling, for `compile`), then time them side by side."""
+    base_name, base_fn, knob_name, knob_fn = knob_paths(knob, model, tok, prompt, device, G,
+                                                        new_tokens, seed)
+    warm_s = timed(knob_fn, device)  # the first call compiles (compile knob)
+    base_fn()
+    base_s, knob_s = best_of(base_fn, knob_fn, device, repeats)
     n = G * new_tokens
+    return {"knob": knob, "baseline": base_name, "with": knob_name, "tokens": n,
+            "base_tps": n / base_s, "knob_tps": n / knob_s, "ratio": base_s / knob_s,
+            "note": f"compile+first run {warm_s:.1f} s" if knob == "compile" else ""}
+
+
+def make_model(size, device, dtype, seed=0):
+    """A random-weight model of `size` (tiny or Qwen3-0.6B) on `device` in `dtype`."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(vocab_size=512) if size == "tiny" else QWEN3_0_6B_CONFIG
+    return Qwen3Model(cfg).to(device=device, dtype=dtype).eval()
+
+
+def bench_size(size, dtype_name, args, device) -> list[dict]:
+    """Every knob asked for, at one size and dtype; returns one table row per knob."""
+    model = make_model(size, device, DTYPES[dtype_name])
+    tok = NoEosTokenizer(model.cfg.vocab_size)
+    prompt = "".join(chr(97 + i % 26) for i in range(args.prompt_len))
+    large_on_cpu = size == "0.6b" and device.type == "cpu"
+    # Qwen3-0.6B on a CPU: a short run (one repeat, few tokens) keeps the script minutes long.
+    new_tokens = args.new_tokens_large if large_on_cpu else args.new_tokens
+    repeats = 1 if large_on_cpu else args.repeats
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(
-        f"{name:>5} ({params:.1f}M params, {dtype}, {device}): G={G}, prompt={prompt_len}, "
-        f"new tokens={new_tokens} each, best of {repeats}\n"
-        f"      sequential sample_response x{G}: {n / seq_s:9.1f} tokens/s ({seq_s:.2f} s)\n"
-        f"      one sample_rollouts(G={G}):      {n / batch_s:9.1f} tokens/s ({batch_s:.2f} s)\n"
-        f"      ratio: {seq_s / batch_s:.2f}x",
-        flush=True,
-    )
+    rows = []
+    for knob in args.knobs:
+        row = bench_knob(knob, model, tok, prompt, device, args.num_rollouts, new_tokens, repeats)
+        row.update(size=f"{size} ({params:.1f}M)", dtype=dtype_name, new_tokens=new_tokens,
+                   repeats=repeats)
+        print(format_row(row), flush=True)
+        rows.append(row)
+    return rows
 
 
-def main():
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--sizes", default="tiny,0.6b", help="comma-separated: tiny, 0.6b")
-    p.add_argument("--num-rollouts", type=int, default=8, help="G, completions per prompt")
-    p.add_argument("--new-tokens", type=int, default=128, help="new tokens per completion (tiny)")
-    p.add_argument("--new-tokens-large", type=int, default=16,
-                   help="new tokens per completion at 0.6B size on CPU (short run)")
-    p.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
-    p.add_argument("--repeats", type=int, default=3, help="timing repeats (best is reported)")
+HEADER = ("| size | dtype | knob | new tokens | baseline | tok/s | with the knob | tok/s | ratio "
+          "| note |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def format_row(r) -> str:
+    """One markdown table row."""
+    return (f"| {r['size']} | {r['dtype']} | {r['knob']} | {r['new_tokens']} | {r['baseline']} "
+            f"| {r['base_tps']:.1f} | {r['with']} | {r['knob_tps']:.1f} | {r['ratio']:.2f}x "
+            f"| {r['note']} |")
+
+
+def main(argv=None) -> list[dict]:
+    """Parse the flags, time every knob asked for, print the table; returns its rows."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sizes", type=comma_list(SIZES), default=list(SIZES),
+                   help="comma-separated model sizes (random weights): tiny, 0.6b")
+    p.add_argument("--dtypes", type=comma_list(tuple(DTYPES)), default=["float32", "bfloat16"],
+                   help="comma-separated dtypes: float32, bfloat16, float16")
+    p.add_argument("--knobs", type=comma_list(KNOBS), default=list(KNOBS),
+                   help="comma-separated knobs to time: rollouts, prealloc, compile")
+    p.add_argument("--num-rollouts", type=positive_int, default=8, help="G, completions per prompt")
+    p.add_argument("--new-tokens", type=positive_int, default=128,
+                   help="new tokens per completion (tiny size; 0.6B size on a GPU)")
+    p.add_argument("--new-tokens-large", type=positive_int, default=16,
+                   help="new tokens per completion at 0.6B size on CPU (short run, one repeat)")
+    p.add_argument("--prompt-len", type=positive_int, default=32, help="prompt length in tokens")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed repeats per path, interleaved (the best is reported)")
     p.add_argument("--device", default=None, help="cuda, mps or cpu (None: the best available)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (None: torch's default)")
-    args = p.parse_args()
+    p.add_argument("--threads", type=non_negative_int, default=0,
+                   help="torch CPU threads (0: torch's default)")
+    args = p.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = get_device(args.device)
-    dtype = default_dtype(device)
-    print(f"device={device} dtype={dtype} torch threads={torch.get_num_threads()}")
-    for size in args.sizes.split(","):
-        if size == "tiny":
-            bench("tiny", tiny_config(vocab_size=512), device, dtype, args.num_rollouts,
-                  args.new_tokens, args.prompt_len, args.repeats)
-        elif size == "0.6b":
-            n = args.new_tokens if device.type == "cuda" else args.new_tokens_large
-            repeats = args.repeats if device.type == "cuda" else 1
-            bench("0.6B", QWEN3_0_6B_CONFIG, device, dtype, args.num_rollouts, n,
-                  args.prompt_len, repeats)
-        else:
-            raise SystemExit(f"unknown size {size!r}; use tiny or 0.6b")
+    print(f"device={device} torch {torch.__version__} threads={torch.get_num_threads()} "
+          f"G={args.num_rollouts} prompt={args.prompt_len} tokens, temperature 0.8, top-p 0.9, "
+          f"best of {args.repeats} (1 at 0.6B on CPU)\n{HEADER}", flush=True)
+    rows = [row for size in args.sizes for dtype in args.dtypes
+            for row in bench_size(size, dtype, args, device)]
+    print(f"\nall rows:\n{HEADER}\n" + "\n".join(format_row(r) for r in rows))
+    return rows
 
 
 if __name__ == "__main__":

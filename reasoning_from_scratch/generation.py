@@ -2,7 +2,12 @@
 
 - `generate`: batched decoding; greedy at temperature 0, otherwise temperature / top-k / top-p
   (nucleus) sampling with an optional `torch.Generator`; per-row stop at EOS; G samples of one
-  prompt share one prefill (`num_return_sequences`, via `KVCache.expand`).
+  prompt share one prefill (`num_return_sequences`, via `KVCache.expand`). Two speed knobs:
+  `preallocate` (default on: the KV cache is allocated once for prompt + max_new_tokens and
+  written in place, see `KVCache`) and `compile` (off by default: the one-token decode step
+  through `torch.compile`, see `compile_decode`). benchmarks/bench_generation.py times both.
+- `compile_decode`: the decode step of a model, compiled once by `torch.compile`, or eager with
+  a warning where compilation fails.
 - `sample_response`: the book's single-sample contract `(full_token_ids, prompt_len, text)`.
 - `sample_rollouts` / `sample_rollouts_batch`: G completions of one prompt (or of each of N
   prompts) decoded as one batch (GRPO rollouts).
@@ -20,8 +25,11 @@ fed to training forward passes (GRPO), and inference-mode tensors cannot be save
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -32,6 +40,7 @@ __all__ = [
     "Rollouts",
     "top_p_filter",
     "sample_next_token",
+    "compile_decode",
     "generate",
     "sample_response",
     "sample_rollouts",
@@ -142,6 +151,47 @@ def sample_next_token(
     return choice[:, 0]  # (B,)
 
 
+def _decode_logits(model, token_ids: torch.Tensor, is_real: torch.Tensor, cache: KVCache):
+    """Next-token logits (B, V) after feeding one token per row, token_ids/is_real (B, 1)."""
+    return model(token_ids, is_real, cache, last_only=True)[:, -1]
+
+
+# torch.compile of `_decode_logits`, made on first use (building it imports the compiler).
+_COMPILED: dict = {"fn": None}
+# model -> why compiling its decode step failed; its later steps run eagerly, without retrying.
+_COMPILE_FAILURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compile_decode(model) -> Callable[[torch.Tensor, torch.Tensor, KVCache], torch.Tensor]:
+    """`step(token_ids (B, 1), is_real (B, 1), cache) -> logits (B, V)`: `model`'s decode step
+    through `torch.compile`, falling back to eager (with one warning) if compilation fails.
+
+    The step is compiled with `dynamic=True`: the filled cache length S changes every step, and
+    symbolic shapes let one compiled graph serve every S instead of recompiling per step. With
+    `fullgraph=True` a failure is raised while tracing, before anything ran, so the cache is
+    untouched and the step can be re-run eagerly. One compiled function serves every model (the
+    model is an argument, guarded by torch.compile): each new architecture, dtype, or batch of
+    one row vs several compiles once more, up to torch.compile's recompile limit (8 by
+    default), beyond which those models decode eagerly. The first call is slow (seconds to
+    tens of seconds on a CPU; minutes for Qwen3-0.6B), the later ones fast.
+    """
+
+    def step(token_ids: torch.Tensor, is_real: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if model not in _COMPILE_FAILURES:
+            try:
+                if _COMPILED["fn"] is None:
+                    _COMPILED["fn"] = torch.compile(_decode_logits, dynamic=True, fullgraph=True)
+                return _COMPILED["fn"](model, token_ids, is_real, cache)
+            except Exception as e:  # compiler missing, unsupported op, recompile limit hit
+                why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                _COMPILE_FAILURES[model] = why
+                warnings.warn(f"torch.compile of the decode step failed ({why}); decoding "
+                              "eagerly", RuntimeWarning, stacklevel=2)
+        return _decode_logits(model, token_ids, is_real, cache)
+
+    return step
+
+
 def _eos_tensor(eos_token_id, device) -> torch.Tensor | None:
     if eos_token_id is None:
         return None
@@ -165,6 +215,8 @@ def generate(
     callback: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     return_logprobs: bool = False,
     cache: KVCache | None = None,
+    preallocate: bool = True,
+    compile: bool = False,
 ) -> GenerationOutput:
     """Batched KV-cache decoding of `input_ids` (B, P), left padded per `attention_mask`.
 
@@ -178,6 +230,15 @@ def generate(
     `cache`: continue an existing KVCache (multi-turn chat): `input_ids` are then only the new
     tokens, prefilled on top of what it holds; on return it also holds every generated token but
     the last (which is never fed back). None (default): a fresh cache per call.
+    `preallocate`: the fresh cache allocates its keys/values once, for P + max_new_tokens
+    slots, and each step writes in place (`KVCache(max_len=...)`) instead of concatenating
+    (O(T^2) copying); identical tokens. On a CPU both ran at the same speed within noise
+    (benchmarks/bench_generation.py, tiny and 0.6B size, up to 416 cached positions); it is the
+    default for its one allocation per call instead of one per step and layer. A given
+    preallocated `cache` is grown once, up front, to hold this call's tokens too.
+    `compile`: run the decode steps through `compile_decode(model)` (torch.compile; the prefill
+    stays eager): the same computation, so the same logits up to float rounding (fused
+    kernels), and faster steps once compiled, but the first call compiles (see there).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -200,7 +261,10 @@ def generate(
     finished = torch.zeros(BG, dtype=torch.bool, device=dev)
     if max_new_tokens > 0:
         if cache is None:
-            cache = KVCache(model.cfg.num_hidden_layers)
+            cache = KVCache(model.cfg.num_hidden_layers, max_len=0 if preallocate else None)
+        # Room for the prompt and every fed-back token: no decoding step re-allocates.
+        cache.reserve(cache.seq_len + input_ids.shape[1] + max_new_tokens)
+        decode = compile_decode(model) if compile else partial(_decode_logits, model)
         logits = model(input_ids, attention_mask, cache, last_only=True)[:, -1]  # (B, V)
         if G > 1:
             cache.expand(G)  # G rollouts share this prefill
@@ -221,7 +285,7 @@ def generate(
             if step == max_new_tokens - 1 or (eos is not None and bool(finished.all())):
                 break
             # Finished rows keep flowing through the batch but as masked padding.
-            logits = model(nxt[:, None], is_real[:, None], cache, last_only=True)[:, -1]
+            logits = decode(nxt[:, None], is_real[:, None], cache)  # (B*, V)
 
     if tokens:
         completion_ids = torch.stack(tokens, dim=1)  # (B*, T_new)
@@ -500,25 +564,13 @@ class ChatReply:
 
 
 def new_chat(model, system: str | None = None) -> ChatState:
-    """An empty conversation (optionally with a system message) with an empty KV cache."""
+    """An empty conversation (optionally with a system message) with an empty KV cache.
+
+    The cache is preallocated with no room yet: each `chat_turn` grows it once, up front, to
+    hold that turn (`KVCache.reserve`, via `generate`); cutting it keeps the buffers.
+    """
     messages = [{"role": "system", "content": system}] if system else []
-    return ChatState(cache=KVCache(model.cfg.num_hidden_layers), messages=messages)
-
-
-def _truncate_cache(cache: KVCache, keep: int) -> None:
-    """Drop every cached position from `keep` on, in place (keys, values, mask, positions)."""
-    if keep >= cache.seq_len:
-        return
-    if keep == 0:
-        cache.keys = [None] * cache.num_layers
-        cache.values = [None] * cache.num_layers
-        cache.key_mask = cache.next_pos = None
-        return
-    for i in range(cache.num_layers):
-        cache.keys[i] = cache.keys[i][:, :, :keep]  # (B, H_kv, keep, D)
-        cache.values[i] = cache.values[i][:, :, :keep]
-    cache.key_mask = cache.key_mask[:, :keep]  # (B, keep)
-    cache.next_pos = cache.key_mask.sum(dim=1)  # (B,) real tokens left = next position
+    return ChatState(cache=KVCache(model.cfg.num_hidden_layers, max_len=0), messages=messages)
 
 
 def _cached_prefix(tokenizer, ids: list[int], text: str) -> tuple[int, int]:
@@ -595,7 +647,7 @@ def chat_turn(
     new_ids = tokenizer.encode(text[n_chars:])
     if not new_ids:
         raise ValueError("the chat template rendered an empty prompt")
-    _truncate_cache(state.cache, keep)
+    state.cache.truncate(keep)
     device = model.device
     out = generate(
         model,

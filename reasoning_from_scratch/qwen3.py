@@ -14,6 +14,8 @@ The module tree mirrors Hugging Face ``Qwen3ForCausalLM`` attribute for attribut
 - ``KVCache``: per-layer keys/values plus the key padding mask and the next position of
   every row, so the cache (not the model) knows where each row is. ``expand(G)`` turns a
   prefilled 1-row cache into G rows, letting G rollouts of one prompt share one prefill.
+  Keys/values either grow by concatenation (default, differentiable) or live in preallocated
+  buffers written in place (``max_len``; what ``generation.generate`` uses for decoding).
 - ``Qwen3Model``: ``model(input_ids, attention_mask=None, cache=None) -> logits (B, T, V)``.
   Batches of prompts of different lengths use left padding plus an attention mask.
 """
@@ -324,14 +326,42 @@ class TransformerBlock(nn.Module):
 
 
 class KVCache:
-    """Keys/values of every layer plus the key padding mask and next position of each row."""
+    """Keys/values of every layer plus the key padding mask and next position of each row.
 
-    def __init__(self, num_layers: int):
+    Two ways to store keys/values, with identical results (the tests compare them):
+
+    - ``max_len=None`` (grow): every update concatenates the new keys/values to the old ones
+      with ``torch.cat``, so each decoding step copies the whole cache (O(T^2) copying over T
+      steps). Nothing is written in place, so gradients can flow through the cache
+      (``tiny_world.batch_logits`` trains through a shared prefix this way).
+    - ``max_len=n`` (preallocated; the book's chapter 2 speed knob): the first update allocates
+      one (B, H_kv, n, D) buffer per layer for keys and one for values, and every update writes
+      its new slots in place, so a decoding step copies only its own keys/values. A step that
+      needs more than ``n`` slots re-allocates the buffers larger (``max_len`` grows) and copies
+      the filled part once; ``reserve`` does that up front. No-grad only: an in-place write
+      would change keys that autograd saved for the backward pass.
+
+    Either way ``keys[i]``/``values[i]`` are the filled part (B, H_kv, S, D) of layer i (views
+    of the buffers when preallocated).
+    """
+
+    def __init__(self, num_layers: int, max_len: int | None = None):
+        if max_len is not None and max_len < 0:
+            raise ValueError(f"KVCache: max_len must be None or >= 0, got {max_len}")
         self.num_layers = num_layers
+        self.max_len = max_len  # None: grow by torch.cat; else the slots of the buffers
         self.keys: list[torch.Tensor | None] = [None] * num_layers  # (B, H_kv, S, D)
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        # Preallocated storage, (B, H_kv, max_len, D) per layer; None until the first update.
+        self._key_buffers: list[torch.Tensor | None] = [None] * num_layers
+        self._value_buffers: list[torch.Tensor | None] = [None] * num_layers
         self.key_mask: torch.Tensor | None = None  # (B, S) bool, False = left padding
         self.next_pos: torch.Tensor | None = None  # (B,) long, real tokens held so far
+
+    @property
+    def preallocated(self) -> bool:
+        """True when keys/values are written in place into preallocated buffers."""
+        return self.max_len is not None
 
     @property
     def seq_len(self) -> int:
@@ -348,23 +378,126 @@ class KVCache:
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         """Append new keys/values (B, H_kv, T, D) of one layer; return the full ones."""
-        if self.keys[layer_idx] is not None:
-            k = torch.cat([self.keys[layer_idx], k], dim=2)
-            v = torch.cat([self.values[layer_idx], v], dim=2)
-        self.keys[layer_idx], self.values[layer_idx] = k, v
+        if self.max_len is None:
+            return self._concatenate(layer_idx, k, v)
+        return self._write_in_place(layer_idx, k, v)
+
+    def _concatenate(self, i: int, k: torch.Tensor, v: torch.Tensor):
+        """Grow mode: new tensors holding the old slots and the new ones (copies all S + T)."""
+        if self.keys[i] is not None:
+            k = torch.cat([self.keys[i], k], dim=2)  # (B, H_kv, S + T, D)
+            v = torch.cat([self.values[i], v], dim=2)
+        self.keys[i], self.values[i] = k, v
         return k, v
+
+    def _write_in_place(self, i: int, k: torch.Tensor, v: torch.Tensor):
+        """Preallocated mode: copy only the T new slots into the buffers; return views."""
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            raise RuntimeError(
+                "a preallocated KVCache (max_len set) writes in place and cannot carry "
+                "gradients; use KVCache(num_layers) to backpropagate through the cache"
+            )
+        start = 0 if self.keys[i] is None else self.keys[i].shape[2]
+        end = start + k.shape[2]
+        self._make_room(i, k, v, end)
+        self._key_buffers[i][:, :, start:end] = k
+        self._value_buffers[i][:, :, start:end] = v
+        self.keys[i] = self._key_buffers[i][:, :, :end]  # (B, H_kv, S + T, D) views
+        self.values[i] = self._value_buffers[i][:, :, :end]
+        return self.keys[i], self.values[i]
+
+    def _make_room(self, i: int, k: torch.Tensor, v: torch.Tensor, end: int) -> None:
+        """(Re-)allocate layer i's buffers unless they hold `end` slots of rows like `k`."""
+        buf = self._key_buffers[i]
+        if (buf is not None and buf.shape[2] >= end and buf.shape[0] == k.shape[0]
+                and buf.dtype == k.dtype and buf.device == k.device):
+            return
+        if end > self.max_len:
+            # Out of room without a `reserve`: grow geometrically, so that single-token steps
+            # re-allocate O(log T) times, not every step.
+            self.max_len = max(end, 2 * self.max_len)
+        empty_k, empty_v = k[:, :, :0], v[:, :, :0]  # (B, H_kv, 0, D) templates
+        filled_k = empty_k if self.keys[i] is None else self.keys[i]
+        filled_v = empty_v if self.values[i] is None else self.values[i]
+        self._key_buffers[i], self.keys[i] = _buffer_holding(filled_k, self.max_len)
+        self._value_buffers[i], self.values[i] = _buffer_holding(filled_v, self.max_len)
+        if filled_k is empty_k:  # nothing was held: keep the "empty" marker
+            self.keys[i] = self.values[i] = None
+
+    def reserve(self, n: int) -> None:
+        """Preallocated cache: make room for `n` slots now, so no later step re-allocates.
+
+        Re-allocates (copying the filled part) at most once; a no-op when the buffers are
+        already large enough or the cache grows by torch.cat.
+        """
+        if self.max_len is None or n <= self.max_len:
+            return
+        self.max_len = n
+        for i in range(self.num_layers):
+            if self.keys[i] is None:
+                self._key_buffers[i] = self._value_buffers[i] = None  # allocated when used
+            else:
+                self._key_buffers[i], self.keys[i] = _buffer_holding(self.keys[i], n)
+                self._value_buffers[i], self.values[i] = _buffer_holding(self.values[i], n)
+
+    def truncate(self, keep: int) -> None:
+        """Drop every cached position from `keep` on, in place (keys, values, mask, positions).
+
+        Preallocated buffers are kept: later updates overwrite the dropped slots.
+        """
+        if keep >= self.seq_len:
+            return
+        if keep == 0:
+            self.keys = [None] * self.num_layers
+            self.values = [None] * self.num_layers
+            self.key_mask = self.next_pos = None
+            return
+        for i in range(self.num_layers):
+            self.keys[i] = self.keys[i][:, :, :keep]  # (B, H_kv, keep, D)
+            self.values[i] = self.values[i][:, :, :keep]
+        self.key_mask = self.key_mask[:, :keep]  # (B, keep)
+        self.next_pos = self.key_mask.sum(dim=1)  # (B,) real tokens left = next position
 
     def expand(self, G: int) -> KVCache:
         """Repeat every row G times (row b -> rows b*G..b*G+G-1), in place; returns self."""
         if self.key_mask is None:
             raise ValueError("KVCache.expand: the cache is empty; prefill it first")
         for i in range(self.num_layers):
-            if self.keys[i] is not None:
-                self.keys[i] = self.keys[i].repeat_interleave(G, dim=0)
-                self.values[i] = self.values[i].repeat_interleave(G, dim=0)
-        self.key_mask = self.key_mask.repeat_interleave(G, dim=0)
-        self.next_pos = self.next_pos.repeat_interleave(G, dim=0)
+            if self.keys[i] is None:
+                continue
+            keys = _repeat_rows(self.keys[i], G)  # (B*G, H_kv, S, D)
+            values = _repeat_rows(self.values[i], G)
+            if self.max_len is None:
+                self.keys[i], self.values[i] = keys, values
+            else:  # new (B*G)-row buffers with the same room
+                self._key_buffers[i], self.keys[i] = _buffer_holding(keys, self.max_len)
+                self._value_buffers[i], self.values[i] = _buffer_holding(values, self.max_len)
+        self.key_mask = _repeat_rows(self.key_mask, G)  # (B*G, S)
+        self.next_pos = _repeat_rows(self.next_pos, G)  # (B*G,)
         return self
+
+
+def _repeat_rows(x: torch.Tensor, G: int) -> torch.Tensor:
+    """Row b of x -> rows b*G..b*G+G-1, as a new tensor.
+
+    `x.repeat_interleave(G, dim=0)` gives the same values but returns a view (of its own
+    copy), and torch.compile guards views differently from the plain tensors that the decoding
+    steps produce: the compiled decode step would be compiled twice.
+    """
+    rows = torch.arange(x.shape[0], device=x.device).repeat_interleave(G)  # (B*G,)
+    return x.index_select(0, rows)
+
+
+def _buffer_holding(filled: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A new (B, H_kv, slots, D) buffer whose first S slots hold `filled` (B, H_kv, S, D).
+
+    Returns (buffer, view of its first S slots). The other slots are left uninitialised: only
+    the filled part is ever read.
+    """
+    B, H, S, D = filled.shape
+    buffer = filled.new_empty(B, H, slots, D)
+    buffer[:, :, :S] = filled
+    return buffer, buffer[:, :, :S]
 
 
 # --------------------------------------------------------------------------------------

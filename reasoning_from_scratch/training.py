@@ -433,7 +433,8 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     if resume_from is not None:  # load first: a failed load writes nothing
         state = load_checkpoint(resume_from, model, optimizer)
         run.completed, run.eval_pending = state["step"], state.get("eval_pending", False)
-        run.base, run.last_eval = state.get("base"), state.get("last_eval")
+        run.base = state.get("base") or base_evaluation
+        run.last_eval = state.get("last_eval") or run.base
         run.saved = (None, run.completed, run.eval_pending)
     out.mkdir(parents=True, exist_ok=True)
     ref_model = _reference_model(model, tokenizer, out, config, resumed=resume_from is not None)
@@ -460,7 +461,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
             step = run.completed
             hook("rollouts", step + 1)
             batch, cost = _rollouts(model, tokenizer, train_examples, device, config,
-                                      reward_fn, advantage_fn, prompt_fn, step)
+                                    reward_fn, advantage_fn, prompt_fn, step)
             with defer_interrupts():  # the update, its row and its samples: all or nothing
                 row = _apply_update(model, optimizer, batch, config, ref_model, reward_names,
                                     step, cost, hook)

@@ -1,21 +1,31 @@
-"""Tests for KV-cache generation: sampling filters, greedy/batched equivalence, EOS, rollouts."""
+"""Tests for KV-cache generation: sampling filters, greedy/batched equivalence, EOS, rollouts,
+the speed knobs (preallocated cache, compiled decode step)."""
+
+import warnings
+import weakref
 
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
 
+from reasoning_from_scratch import generation
 from reasoning_from_scratch.device import default_dtype, get_device
 from reasoning_from_scratch.generation import (
     Rollouts,
     TextStreamer,
+    chat_turn,
     generate,
     generate_batch,
+    new_chat,
     sample_next_token,
     sample_response,
     sample_rollouts,
     sample_rollouts_batch,
     top_p_filter,
 )
-from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
+from reasoning_from_scratch.qwen3 import KVCache, Qwen3Model, tiny_config
+from reasoning_from_scratch.weights import load_pretrained
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 "
 V = len(CHARS) + 2  # 0 = pad, 1 = eos
@@ -223,6 +233,102 @@ def test_sample_rollouts_batch_equals_one_prompt_at_a_time(model):
         assert torch.equal(got.lengths, alone.lengths)
         T = int(alone.lengths.max())
         assert torch.equal(got.completion_ids[:, :T], alone.completion_ids[:, :T])
+
+
+# ----------------------------------------------------------------------------- speed knobs
+
+PADDED_IDS = torch.tensor([[5, 9, 3, 7, 11], [0, 0, 12, 2, 30]])
+PADDED_MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),  # greedy, batched with left padding
+    dict(num_return_sequences=3),  # expand after the prefill
+    dict(num_return_sequences=2, temperature=1.0, top_p=0.9, return_logprobs=True),
+])
+def test_preallocated_cache_gives_the_tokens_of_the_cat_cache(model, kw):
+    outs = [generate(model, PADDED_IDS, PADDED_MASK, max_new_tokens=12, preallocate=pre,
+                     generator=torch.Generator().manual_seed(3), **kw) for pre in (True, False)]
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert torch.equal(outs[0].completion_mask, outs[1].completion_mask)
+    if kw.get("return_logprobs"):
+        assert torch.equal(outs[0].logprobs, outs[1].logprobs)
+
+
+def test_generate_allocates_the_cache_once(model):
+    """Every decoding step writes into the same buffer: no re-allocation per step."""
+    cache = KVCache(model.cfg.num_hidden_layers, max_len=0)
+    ptrs = []
+    generate(model, PADDED_IDS, PADDED_MASK, max_new_tokens=9, num_return_sequences=2,
+             cache=cache, callback=lambda t, r: ptrs.append(cache.values[1].data_ptr()))
+    assert len(ptrs) == 9 and len(set(ptrs)) == 1
+    assert cache.max_len == 5 + 9 and cache.seq_len == 5 + 8  # the last token is not fed back
+    assert cache.batch_size == 4
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    """The bundled tiny-arith model (float32, CPU) and its tokenizer (with chat tokens)."""
+    return load_pretrained("tiny-arith", device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("enable_thinking", [True, False])  # False: the cache is cut each turn
+def test_chat_with_preallocated_cache_equals_cat_cache(bundled, enable_thinking):
+    model, tok = bundled
+    pre = new_chat(model, system="You are a calculator.")
+    cat = new_chat(model, system="You are a calculator.")
+    cat.cache = KVCache(model.cfg.num_hidden_layers)  # grows by torch.cat
+    assert pre.cache.preallocated and not cat.cache.preallocated
+    for user in ["What is 17+25?", "What is 3+4?", "And 12*3?"]:
+        room = pre.cache.max_len
+        replies = [chat_turn(model, tok, state, user, max_new_tokens=12,
+                             enable_thinking=enable_thinking) for state in (pre, cat)]
+        assert replies[0] == replies[1] and pre.ids == cat.ids
+        # Each turn needed more room than the cache had: it grew once, up front.
+        assert pre.cache.max_len > room and pre.cache.max_len >= pre.cache.seq_len
+        assert pre.cache.seq_len == cat.cache.seq_len == len(pre.ids)
+        for i in range(model.cfg.num_hidden_layers):
+            assert torch.equal(pre.cache.keys[i], cat.cache.keys[i])
+
+
+def _compile_available() -> bool:
+    """torch.compile exists and supports this Python and platform."""
+    return callable(getattr(torch, "compile", None)) and torch._dynamo.is_dynamo_supported()
+
+
+@pytest.mark.skipif(not _compile_available(),
+                    reason="torch.compile is not supported on this Python/platform")
+def test_compiled_decode_gives_the_eager_tokens(model):
+    """Compiled once (tens of seconds on CPU), then reused for other lengths without retracing."""
+    eager = generate(model, PADDED_IDS, PADDED_MASK, max_new_tokens=6)
+    compiled = generate(model, PADDED_IDS, PADDED_MASK, max_new_tokens=6, compile=True)
+    assert model not in generation._COMPILE_FAILURES, generation._COMPILE_FAILURES.get(model)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    graphs = counters["stats"]["unique_graphs"]
+    longer = torch.cat([PADDED_IDS, PADDED_IDS], dim=1)
+    mask = torch.cat([PADDED_MASK, torch.ones_like(PADDED_MASK)], dim=1)
+    again = generate(model, longer, mask, max_new_tokens=9, compile=True)
+    assert counters["stats"]["unique_graphs"] == graphs  # other lengths: no recompilation
+    assert torch.equal(again.sequences, generate(model, longer, mask, max_new_tokens=9).sequences)
+
+
+def test_compile_failure_falls_back_to_eager(model, monkeypatch):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler here")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setitem(generation._COMPILED, "fn", None)
+    monkeypatch.setattr(generation, "_COMPILE_FAILURES", weakref.WeakKeyDictionary())
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler here.*decoding eagerly"):
+        out = generate(model, PADDED_IDS, PADDED_MASK, max_new_tokens=5, compile=True)
+    assert torch.equal(out.sequences, generate(model, PADDED_IDS, PADDED_MASK,
+                                               max_new_tokens=5).sequences)
+    assert "no C++ compiler" in generation._COMPILE_FAILURES[model]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # remembered: no second attempt, no second warning
+        generate(model, PADDED_IDS, PADDED_MASK, max_new_tokens=5, compile=True)
 
 
 def test_device_helpers():

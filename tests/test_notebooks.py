@@ -1,11 +1,12 @@
 """The chapter notebooks (notebooks/*.ipynb): they run, they are clean, they match the package.
 
 - Each notebook runs top to bottom without an error in a fresh kernel of *this* interpreter
-  (a kernelspec written to a temporary directory, so `python` on PATH does not matter), with no
-  network (HF_HUB_OFFLINE=1) and one CPU thread; its wall time is printed and must stay under
-  3 minutes (set RFS_NOTEBOOK_TIME_LIMIT_S to change the limit, 0 to disable it).
-- Outputs are stripped (no outputs, execution_count None) and every source line is at most
-  100 characters.
+  (notebooks/execute.py's `execute_notebook`: no network, one CPU thread); its wall time is
+  printed and must stay under 3 minutes (set RFS_NOTEBOOK_TIME_LIMIT_S to change the limit, 0 to
+  disable it).
+- They are committed executed (`python notebooks/execute.py`): at least 80% of the code cells
+  have outputs, the cells were run in order, no output is an error, from chapter 4 on at least one
+  plot; every source line is at most 100 characters.
 - Every function or class a notebook defines at top level must have a package twin: the
   notebook imports a same-named object from `reasoning_from_scratch` and uses it (to show both
   give the same result). Names starting with `_` are notebook-local helpers and exempt.
@@ -14,10 +15,9 @@ Select these tests with `pytest -m notebooks`, skip them with `pytest -m "not no
 """
 
 import ast
-import json
+import importlib.util
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +33,7 @@ PACKAGE = "reasoning_from_scratch"
 MAX_LINE = 100
 CELL_TIMEOUT_S = 300
 TIME_LIMIT_S = float(os.environ.get("RFS_NOTEBOOK_TIME_LIMIT_S", "180"))
-KERNEL_NAME = "rfs-test-python"
+MIN_OUTPUT_SHARE = 0.8
 
 
 def _ids(paths):
@@ -99,21 +99,44 @@ def test_notebooks_exist():
         assert required in names, f"missing notebooks/{required}"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
-def test_notebook_is_clean(path):
-    """Stripped outputs, no execution counts, lines of at most 100 characters."""
-    nb = _read(path)
+def executed_problems(nb, name):
+    """Why a notebook does not look committed executed (empty list if it does)."""
+    code = [c for c in nb.cells if c.cell_type == "code" and c.source.strip()]
     problems = []
+    with_output = sum(bool(c.get("outputs")) for c in code)
+    if code and with_output < MIN_OUTPUT_SHARE * len(code):
+        problems.append(f"only {with_output} of {len(code)} code cells have outputs (run "
+                        "`python notebooks/execute.py` before committing)")
+    counts = [c.get("execution_count") for c in code]
+    if None in counts or counts != sorted(counts):
+        problems.append("cells not executed top to bottom in one kernel")
+    errors = [i for i, c in enumerate(code)
+              if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    if errors:
+        problems.append(f"code cells {errors} have error outputs")
+    chapter = int(name[2:4]) if name[:2] == "ch" and name[2:4].isdigit() else 0
+    plots = sum("image/png" in o.get("data", {}) for c in code for o in c.get("outputs", []))
+    if chapter >= 4 and not plots:
+        problems.append("no plot among the outputs")
+    return problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_is_committed_executed(path):
+    """Outputs and plots present, cells run in order, no errors, lines of <= 100 characters."""
+    nb = _read(path)
+    problems = executed_problems(nb, path.name)
     for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "code":
-            if cell.get("outputs"):
-                problems.append(f"cell {i}: has outputs (strip them before committing)")
-            if cell.get("execution_count") is not None:
-                problems.append(f"cell {i}: execution_count={cell.execution_count}")
         for n, line in enumerate(cell.source.splitlines(), start=1):
             if len(line) > MAX_LINE:
                 problems.append(f"cell {i} line {n}: {len(line)} > {MAX_LINE} characters")
     assert not problems, f"{path.name}:\n" + "\n".join(problems)
+
+
+def test_executed_check_flags_a_stripped_notebook():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("print(x)")]
+    assert len(executed_problems(nb, "ch05_x.ipynb")) == 3  # outputs, order, plot
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
@@ -140,43 +163,23 @@ def test_twin_check_flags_missing_twins():
     assert untwinned_definitions(nb) == ["Orphan", "unused_twin"]
 
 
-@pytest.fixture(scope="module")
-def kernel_manager_factory(tmp_path_factory):
-    """Make kernel managers whose kernel runs this interpreter (not `python` from PATH)."""
-    jupyter_client = pytest.importorskip("jupyter_client")
-    pytest.importorskip("ipykernel")
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    kernels = tmp_path_factory.mktemp("kernels")
-    spec_dir = kernels / KERNEL_NAME
-    spec_dir.mkdir()
-    spec = {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": f"Python ({sys.executable})",
-        "language": "python",
-    }
-    (spec_dir / "kernel.json").write_text(json.dumps(spec))
-
-    def make():
-        specs = KernelSpecManager(kernel_dirs=[str(kernels)])
-        return jupyter_client.AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs)
-
-    return make
+def _execute_script():
+    """notebooks/execute.py as a module (notebooks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("execute", NOTEBOOK_DIR / "execute.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
-def test_notebook_runs(path, kernel_manager_factory, monkeypatch, capsys):
-    from nbclient import NotebookClient
-
+def test_notebook_runs(path, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("ipykernel")
     import reasoning_from_scratch
 
-    # The kernel inherits this environment: no network, and one thread (on a small shared
-    # CPU, several threads per process fighting over two cores are many times slower).
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("MKL_NUM_THREADS", "1")
-    monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
-
+    execute = _execute_script()
+    for key, value in execute.KERNEL_ENV.items():
+        monkeypatch.setenv(key, value)  # (execute_notebook sets them; undone after the test)
+    execute.write_kernelspec(tmp_path)
     nb = _read(path)
     # First, prove the kernel runs this interpreter and imports this checkout's package.
     check = (
@@ -186,15 +189,7 @@ def test_notebook_runs(path, kernel_manager_factory, monkeypatch, capsys):
         "reasoning_from_scratch.__file__"
     )
     nb.cells.insert(0, nbformat.v4.new_code_cell(check))
-    client = NotebookClient(
-        nb,
-        km=kernel_manager_factory(),
-        timeout=CELL_TIMEOUT_S,
-        resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
-    )
-    start = time.perf_counter()
-    client.execute()
-    wall = time.perf_counter() - start
+    wall = execute.execute_notebook(nb, tmp_path, timeout=CELL_TIMEOUT_S)
     with capsys.disabled():
         print(f"\n[notebooks] {path.name}: {wall:.1f} s")
     if TIME_LIMIT_S > 0:

@@ -268,6 +268,97 @@ def test_cache_expand_equals_separate_runs():
     assert torch.allclose(step, full, atol=1e-5)
 
 
+def run_chunks(model, cache, ids, mask, chunks):
+    """Feed `ids`/`mask` (B, T) to `model` in column chunks; returns the logits (B, T, V)."""
+    out, start = [], 0
+    with torch.no_grad():
+        for size in chunks:
+            sl = slice(start, start + size)
+            out.append(model(ids[:, sl], attention_mask=mask[:, sl], cache=cache))
+            start += size
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("max_len", [0, 5, 64])  # 0 and 5: the buffers must grow on the way
+def test_preallocated_cache_equals_cat_cache(max_len):
+    """Left-padded prefill, then token by token: identical logits from both storages."""
+    model = make_model()
+    torch.manual_seed(4)
+    ids = torch.randint(1, V, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, :4] = mask[2, :6] = 0  # left padding
+    chunks = [6, 1, 1, 2, 1, 1]
+    grown = KVCache(model.cfg.num_hidden_layers)
+    pre = KVCache(model.cfg.num_hidden_layers, max_len=max_len)
+    expected = run_chunks(model, grown, ids, mask, chunks)
+    got = run_chunks(model, pre, ids, mask, chunks)
+    assert pre.preallocated and not grown.preallocated
+    assert torch.equal(got, expected)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask)
+    real = mask.bool()  # padded query slots differ (they attend everywhere), unused
+    assert torch.allclose(got[real], full[real], atol=1e-5)
+    assert pre.max_len >= 12 and pre.seq_len == grown.seq_len == 12
+    assert torch.equal(pre.next_pos, grown.next_pos)
+    for i in range(model.cfg.num_hidden_layers):
+        assert torch.equal(pre.keys[i], grown.keys[i])
+        assert torch.equal(pre.values[i], grown.values[i])
+
+
+def test_preallocated_cache_writes_in_place_without_reallocating():
+    model = make_model()
+    ids = torch.randint(0, V, (2, 9))
+    cache = KVCache(model.cfg.num_hidden_layers, max_len=9)
+    with torch.no_grad():
+        model(ids[:, :4], cache=cache)  # prefill allocates (2, H_kv, 9, D) once
+        buffer_ptrs = [cache.keys[0].data_ptr(), cache.values[1].data_ptr()]
+        for t in range(4, 9):
+            model(ids[:, t : t + 1], cache=cache)
+            assert [cache.keys[0].data_ptr(), cache.values[1].data_ptr()] == buffer_ptrs
+            assert cache.keys[0].shape[2] == t + 1  # a view of the filled part
+    assert cache.max_len == 9
+    cache.reserve(5)  # already large enough: nothing happens
+    assert cache.keys[0].data_ptr() == buffer_ptrs[0]
+    kept = cache.keys[0].clone()
+    cache.reserve(20)  # one re-allocation, the filled part copied
+    assert cache.max_len == 20 and cache.keys[0].data_ptr() != buffer_ptrs[0]
+    assert torch.equal(cache.keys[0], kept)
+
+
+def test_preallocated_cache_truncate_and_expand_equal_cat_cache():
+    model = make_model()
+    torch.manual_seed(5)
+    prompt, more = torch.randint(0, V, (1, 7)), torch.randint(0, V, (1, 3))
+    nxt = torch.tensor([[1], [2], [3]])
+    results = []
+    for cache in (KVCache(model.cfg.num_hidden_layers), KVCache(model.cfg.num_hidden_layers, 8)):
+        with torch.no_grad():
+            model(prompt, cache=cache)
+            cache.truncate(4)  # keep the first 4 positions
+            assert cache.seq_len == 4 and cache.next_pos.tolist() == [4]
+            model(more, cache=cache)  # 4 + 3 slots: within the 8 preallocated
+            cache.expand(3)
+            assert cache.batch_size == 3 and cache.keys[1].shape[:3] == (3, 2, 7)
+            results.append(model(nxt, cache=cache)[:, 0])  # (3, V)
+            cache.truncate(0)
+            assert cache.seq_len == 0 and cache.keys[0] is None
+            results.append(model(nxt, cache=cache))  # an emptied cache starts over
+    with torch.no_grad():
+        expected = model(torch.cat([torch.cat([prompt[:, :4], more], 1).expand(3, 7), nxt], 1))
+    assert torch.equal(results[0], results[2])
+    assert torch.allclose(results[0], expected[:, -1], atol=1e-5)
+    assert torch.equal(results[1], results[3])
+
+
+def test_preallocated_cache_refuses_gradients():
+    model = make_model()
+    cache = KVCache(model.cfg.num_hidden_layers, max_len=4)
+    with pytest.raises(RuntimeError, match="gradients"):
+        model(torch.tensor([[1, 2]]), cache=cache)  # grad mode, parameters require grad
+    with pytest.raises(ValueError, match="max_len"):
+        KVCache(2, max_len=-1)
+
+
 def test_bad_inputs_raise_clear_errors():
     model = make_model()
     with pytest.raises(ValueError, match="input_ids"):

@@ -1,6 +1,7 @@
 """The command-line scripts: every `--help` runs; the chapter 8 experiment (summary, table and
 figure from `supervision_experiment`; the script end to end, tiny)."""
 
+import argparse
 import json
 import math
 import os
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
+from reasoning_from_scratch.rewards import CompositeReward, RewardTerm
 from reasoning_from_scratch.supervision_experiment import (
     plot_process_vs_outcome,
     summarise,
@@ -19,7 +22,8 @@ from reasoning_from_scratch.supervision_experiment import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted([*ROOT.glob("chapters/*.py"), *ROOT.glob("benchmarks/*.py")])
+SCRIPTS = sorted([*ROOT.glob("chapters/*.py"), *ROOT.glob("benchmarks/*.py"),
+                  *ROOT.glob("notebooks/*.py")])
 
 
 def test_scripts_found():
@@ -150,3 +154,116 @@ def test_ch07_compare_tiny_run(tmp_path):
     assert "| chapter 7 default (grpo loss) | 1 |" in table
     with pytest.raises(SystemExit):
         main([*argv, "--arms", "nonsense"])
+
+
+def test_bench_generation_tiny_run():
+    """The rollouts and prealloc knobs, tiny size, both dtypes, a few tokens (the compile knob
+    is left out here: compiling takes tens of seconds; tests/test_generation.py covers it)."""
+    main = runpy.run_path(str(ROOT / "benchmarks" / "bench_generation.py"),
+                          run_name="bench_generation")["main"]
+    rows = main(["--sizes", "tiny", "--dtypes", "float32,bfloat16", "--knobs", "rollouts,prealloc",
+                 "--num-rollouts", "2", "--new-tokens", "3", "--prompt-len", "4", "--repeats", "1"])
+    assert [(r["dtype"], r["knob"]) for r in rows] == [
+        ("float32", "rollouts"), ("float32", "prealloc"),
+        ("bfloat16", "rollouts"), ("bfloat16", "prealloc")]
+    for r in rows:
+        assert r["tokens"] == 2 * 3 and r["base_tps"] > 0 and r["knob_tps"] > 0
+        assert r["ratio"] == pytest.approx(r["knob_tps"] / r["base_tps"])
+    for bad in (["--knobs", "turbo"], ["--new-tokens", "0"], ["--dtypes", "float8"]):
+        with pytest.raises(SystemExit):
+            main(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA it runs the real 0.6B check")
+def test_gpu_check_without_cuda_says_so_and_exits_0():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "gpu_check needs CUDA" in res.stdout
+
+
+def _script_main(path, name):
+    """`main` of a script in chapters/ or benchmarks/ (not packages)."""
+    return runpy.run_path(str(ROOT / path), run_name=name)["main"]
+
+
+def test_ch04_inference_scaling_tiny_run(tmp_path):
+    main = _script_main("chapters/ch04_inference_scaling.py", "ch04_inference_scaling")
+    threads = torch.get_num_threads()
+    try:
+        out = main(["--limit", "2", "--num-samples", "3", "--temperatures", "0,1",
+                    "--max-new-tokens", "24", "--early-stop-problems", "1", "--chunk-size", "1",
+                    "--device", "cpu", "--output", str(tmp_path / "ch04.json")])
+    finally:
+        torch.set_num_threads(threads)  # the script sets 1 thread for itself
+    assert set(out["prompts"]) == {"standard", "think"}
+    assert len(out["sampling"]) == 4  # two temperatures, the top-p and the top-k row
+    greedy = out["sampling"][0]  # temperature 0: every sample is the greedy answer
+    assert greedy["distinct_answers"] <= 1.0
+    for row in out["sampling"]:
+        assert sorted(row["pass_at_k"]) == [1, 2, 3]
+        assert row["pass_at_k"][1] <= row["pass_at_k"][3]
+    assert out["early_stopping"]["same_answer"] == 1
+    assert json.loads((tmp_path / "ch04.json").read_text())["prompts"]
+
+
+def test_ch05_best_of_n_tiny_run(tmp_path):
+    """Two models (the same weights twice), every method, N in {1, 2, 4}, an untrained PRM."""
+    from reasoning_from_scratch.prm import ProcessRewardModel, save_prm
+    from reasoning_from_scratch.weights import load_pretrained
+
+    model, tok = load_pretrained("tiny-arith", device="cpu", dtype=torch.float32)
+    save_prm(ProcessRewardModel.from_pretrained_backbone(model), tok, tmp_path / "prm")
+    main = _script_main("chapters/ch05_best_of_n.py", "ch05_best_of_n")
+    threads = torch.get_num_threads()
+    try:
+        results = main(["--model", "tiny-arith", "--model", "tiny-arith", "--label", "a",
+                        "--label", "b", "--limit", "3", "--ns", "1,2,4", "--beam-ns", "4",
+                        "--max-new-tokens", "32", "--prm", str(tmp_path / "prm"),
+                        "--device", "cpu", "--output-dir", str(tmp_path / "out")])
+    finally:
+        torch.set_num_threads(threads)
+    rows = results["a"]["rows"]
+    methods = {r["method"] for r in rows}
+    assert methods == {"pass@N", "majority", "logprob", "verifier", "prm-min", "prm-prod",
+                       "prm-last", "prm-vote", "beam-prm", "beam-verifier", "refine-verifier",
+                       "refine-prm", "refine-self"}
+    for r in rows:
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["tokens"] > 0 and r["seconds"] >= 0
+    # Same weights, same seed: the two models' measurements agree exactly.
+    assert [r["accuracy"] for r in results["b"]["rows"]] == [r["accuracy"] for r in rows]
+    for name in ("results.md", "results.json", "inference_scaling.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0, name
+    assert "| greedy | 1 |" in (tmp_path / "out" / "results.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["--beam-ns", "6", "--output-dir", str(tmp_path / "x")])
+
+
+def test_bench_inference_scaling_tiny_run():
+    main = _script_main("benchmarks/bench_inference_scaling.py", "bench_inference_scaling")
+    threads = torch.get_num_threads()
+    try:
+        out = main(["--problems", "2", "--num-samples", "2", "--max-new-tokens", "16",
+                    "--batch-size", "2", "--device", "cpu"])
+    finally:
+        torch.set_num_threads(threads)
+    assert out["loop_s"] > 0 and out["batched_s"] > 0
+
+
+def test_gpu_check_step_on_a_tiny_model(monkeypatch):
+    """The check's GRPO step itself, run on the CPU with a tiny model (the GPU is not needed)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports bench_grpo_step
+    script = runpy.run_path(str(ROOT / "benchmarks" / "gpu_check.py"), run_name="gpu_check")
+    torch.manual_seed(0)
+    model = Qwen3Model(tiny_config(vocab_size=64)).eval()
+    args = argparse.Namespace(num_rollouts=4, max_new_tokens=5, micro_batch_size=3)
+    reward = CompositeReward([RewardTerm("even", script["even_fraction"])])
+    examples = script["PROBLEMS"][:2]
+    before = model.lm_head.weight.detach().clone()
+    r = script["grpo_step"](model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                            script["NoEosTokenizer"](64), examples, reward,
+                            torch.Generator().manual_seed(0), args, "cpu")
+    assert r["rows"] == 8 and r["tokens"] == 8 * 5 and r["step_s"] >= r["rollout_s"] > 0
+    assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
+    assert not torch.equal(model.lm_head.weight, before)  # the AdamW step changed the weights

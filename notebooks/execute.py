@@ -1,0 +1,74 @@
+"""Execute the chapter notebooks top to bottom and save them with their outputs and plots.
+
+The notebooks are committed executed, so a reader browsing them sees the results. Each runs in a
+fresh kernel of *this* interpreter (a kernelspec written to a temporary directory, so `python`
+on PATH does not matter), with no network (HF_HUB_OFFLINE=1) and one CPU thread (on a small
+shared CPU, several threads per process are many times slower). tests/test_notebooks.py uses
+`execute_notebook` too, without writing.
+
+    python notebooks/execute.py                      # every notebook in notebooks/, in place
+    python notebooks/execute.py notebooks/ch06_grpo.ipynb
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nbformat
+from jupyter_client import AsyncKernelManager
+from jupyter_client.kernelspec import KernelSpecManager
+from nbclient import NotebookClient
+
+NOTEBOOK_DIR = Path(__file__).resolve().parent
+KERNEL_NAME = "rfs-python"
+CELL_TIMEOUT_S = 300
+# The kernel inherits these: no hub access, one thread.
+KERNEL_ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+              "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+
+
+def write_kernelspec(kernels_dir: Path) -> None:
+    """A kernelspec in `kernels_dir` whose kernel runs this interpreter."""
+    spec_dir = kernels_dir / KERNEL_NAME
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": f"Python ({sys.executable})", "language": "python"}
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+
+
+def execute_notebook(nb, kernels_dir: Path, timeout: int = CELL_TIMEOUT_S) -> float:
+    """Run every cell of notebook `nb` in place (outputs filled in); returns the wall seconds."""
+    os.environ.update(KERNEL_ENV)
+    specs = KernelSpecManager(kernel_dirs=[str(kernels_dir)])
+    client = NotebookClient(
+        nb, km=AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs),
+        timeout=timeout, resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
+    )
+    start = time.perf_counter()
+    client.execute()
+    return time.perf_counter() - start
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("notebooks", nargs="*", type=Path,
+                   help="notebooks to execute (none: every notebooks/*.ipynb)")
+    args = p.parse_args(argv)
+    paths = args.notebooks or sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+    with tempfile.TemporaryDirectory() as kernels:
+        write_kernelspec(Path(kernels))
+        for path in paths:
+            nb = nbformat.read(path, as_version=4)
+            seconds = execute_notebook(nb, Path(kernels))
+            nb.metadata.pop("widgets", None)
+            nbformat.write(nb, path)
+            print(f"{path.name}: executed in {seconds:.0f} s, saved with its outputs")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Chapter 5 index: best-of-N with confidence, verifiers and PRMs, PRM-guided beam search and
+self-refinement, and the accuracy-vs-tokens measurement (imports only)."""
+
+from .inference_scaling import (
+    BlindVerifierScorer,
+    ConfidenceStepScorer,
+    StepAggregateScorer,
+    aggregate_step_scores,
+    avg_logprob_answer,
+    best_of_n,
+    logprob_scorer,
+    mean_logprobs,
+    oracle_scorer,
+    select_best,
+    weighted_majority_vote,
+)
+from .inference_scaling_experiment import (
+    plot_inference_scaling,
+    run_scaling_experiment,
+    scaling_table,
+)
+from .prm import PRMStepScorer, load_prm, train_prm_on_arithmetic
+from .search import (
+    StepScoreCritic,
+    beam_search,
+    sample_next_steps,
+    self_refinement_loop,
+    step_beam_search,
+)
