@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from reasoning_from_scratch.datasets import DATASET_NAMES, load_dataset_by_name
+from reasoning_from_scratch.datasets import add_dataset_arguments, load_examples_from_args
 from reasoning_from_scratch.device import device_arg, get_device
 from reasoning_from_scratch.evaluation import evaluate
 from reasoning_from_scratch.grading import grade_answer
@@ -59,15 +59,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="tiny-arith",
                    help="bundled model name, local Hugging Face-layout directory or hub repo id")
-    p.add_argument("--dataset", default="arith", choices=DATASET_NAMES,
-                   help="evaluation set (math = the 12k MATH training problems)")
-    p.add_argument("--split", default=None,
-                   help="split: test/val/train for arith, test/train for gsm8k "
-                        "(None: the dataset's evaluation split)")
-    p.add_argument("--data-path", default=None,
-                   help="local JSON/JSONL file to use instead of downloading the dataset")
-    p.add_argument("--cache-dir", default=None,
-                   help="download cache (None: $RFS_CACHE_DIR or ~/.cache/reasoning_from_scratch)")
+    add_dataset_arguments(p)
     p.add_argument("--limit", type=positive_int, default=50, help="number of problems")
     p.add_argument("--num-samples", type=positive_int, default=8,
                    help="samples per problem for each sampling setting (pass@k for k up to it)")
@@ -157,11 +149,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        examples = load_dataset_by_name(args.dataset, split=args.split, path=args.data_path,
-                                        cache_dir=args.cache_dir, n=args.limit)
-    except (ValueError, FileNotFoundError) as err:
-        raise SystemExit(f"error: {err}") from None
+    examples = load_examples_from_args(args, args.limit)
     device = get_device(args.device)
     model, tokenizer = load_pretrained(args.model, device=device)
     print(f"model: {args.model} on {device}; {args.dataset}: {len(examples)} problems")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from reasoning_from_scratch.datasets import DATASET_NAMES, load_dataset_by_name
+from reasoning_from_scratch.datasets import add_dataset_arguments, load_examples_from_args
 from reasoning_from_scratch.device import device_arg, get_device
 from reasoning_from_scratch.experiments import jsonable
 from reasoning_from_scratch.files import atomic_write_json
@@ -84,14 +84,7 @@ def build_parser():
     p.add_argument("--label", action="append", default=None,
                    help="label of each --model in the table and figure, in the same order "
                         "(None: 'base' for tiny-arith, else the directory's name)")
-    p.add_argument("--dataset", default="arith", choices=DATASET_NAMES,
-                   help="evaluation set; the step verifier's methods need arith")
-    p.add_argument("--split", default=None,
-                   help="split (None: the dataset's evaluation split; test for arith)")
-    p.add_argument("--data-path", default=None,
-                   help="local JSON/JSONL file to use instead of downloading the dataset")
-    p.add_argument("--cache-dir", default=None,
-                   help="download cache (None: $RFS_CACHE_DIR or ~/.cache/reasoning_from_scratch)")
+    add_dataset_arguments(p, "evaluation set; the step verifier's methods need arith")
     p.add_argument("--limit", type=positive_int, default=200, help="number of held-out problems")
     p.add_argument("--ns", type=_int_list, default=[1, 2, 4, 8, 16, 32],
                    help="N values (samples; rounds for self-refinement); the largest is sampled "
@@ -172,11 +165,7 @@ def main(argv=None):
             parser.error(f"--beam-ns: {err}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        examples = load_dataset_by_name(args.dataset, split=args.split, path=args.data_path,
-                                        cache_dir=args.cache_dir, n=args.limit)
-    except (ValueError, FileNotFoundError) as err:
-        raise SystemExit(f"error: {err}") from None
+    examples = load_examples_from_args(args, args.limit)
     device = get_device(args.device)
     out = Path(args.output_dir)
     start = time.perf_counter()

@@ -35,6 +35,7 @@ from reasoning_from_scratch.training_cli import (
     add_runtime_arguments,
     load_grpo_data,
 )
+from reasoning_from_scratch.validation import choice_list, seed_list
 from reasoning_from_scratch.weights import load_pretrained
 
 
@@ -45,9 +46,10 @@ def build_parser():
     p.add_argument("--model", default="tiny-arith", help="base model of every run")
     p.add_argument("--dataset", default="arith", choices=("arith",),
                    help="the task (the comparison is calibrated on the arithmetic world)")
-    p.add_argument("--arms", default=DEFAULT_ARMS,
+    p.add_argument("--arms", type=choice_list(ARMS), default=DEFAULT_ARMS,
                    help="comma-separated arms: " + ", ".join(ARMS))
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run per arm each")
+    p.add_argument("--seeds", type=seed_list, default="0,1,2",
+                   help="comma-separated seeds, one run per arm each")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: tabulate and plot the runs already finished")
     p.add_argument("--output-dir", default="runs/ch07-compare",
@@ -62,16 +64,7 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or not arms:
-        parser.error(f"unknown arm(s) {unknown}; expected some of {list(ARMS)}")
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        parser.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
-    if not seeds or min(seeds) < 0:
-        parser.error(f"--seeds: expected non-negative integers, got {args.seeds!r}")
+    arms, seeds = args.arms, args.seeds
     shared = {f.name: getattr(args, f.name) for f in fields(GRPOConfig) if f.name != "output_dir"}
     try:
         GRPOConfig.from_dict(shared)

@@ -31,7 +31,13 @@ from reasoning_from_scratch.training_cli import (
     add_data_arguments,
     add_runtime_arguments,
 )
-from reasoning_from_scratch.validation import optional_positive_int, positive_float, positive_int
+from reasoning_from_scratch.validation import (
+    choice_list,
+    optional_positive_int,
+    positive_float,
+    positive_int,
+    seed_list,
+)
 
 
 def build_parser():
@@ -40,10 +46,11 @@ def build_parser():
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="tiny-arith",
                    help="base model of every run (and of the PRM trained for the prm arm)")
-    p.add_argument("--arms", default=DEFAULT_ARMS,
+    p.add_argument("--arms", type=choice_list(ARMS), default=DEFAULT_ARMS,
                    help="comma-separated arms: " + ", ".join(ARMS)
                    + " (see reasoning_from_scratch/supervision_experiment.py)")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run per arm each")
+    p.add_argument("--seeds", type=seed_list, default="0,1,2",
+                   help="comma-separated seeds, one run per arm each")
     p.add_argument("--eval-points", type=positive_int, default=4,
                    help="evaluate a checkpoint every steps // eval-points steps and at --steps "
                         "(about this many per run), besides the base model at step 0")
@@ -100,16 +107,7 @@ def main(argv=None):
     for name, why in PER_RUN.items():
         if getattr(args, name) != getattr(defaults, name):
             parser.error(f"--{name.replace('_', '-')} is not used here: {why}")
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or not arms:
-        parser.error(f"unknown arm(s) {unknown}; expected some of {list(ARMS)}")
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        parser.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
-    if not seeds or min(seeds) < 0:
-        parser.error(f"--seeds: expected non-negative integers, got {args.seeds!r}")
+    arms, seeds = args.arms, args.seeds
     if args.threads:
         torch.set_num_threads(args.threads)
     return run_experiment(args, arms, seeds)

@@ -104,3 +104,28 @@ non_negative_float = arg_type(float, non_negative)  # temperature (0: greedy), w
 probability_float = arg_type(float, probability)  # top-p
 unit_float = arg_type(float, in_range(0, 1))  # probabilities that may be 0
 optional_positive_int = arg_type(int, optional(at_least(1)), allow_none=True)  # 'none' allowed
+
+
+def seed_list(text):
+    """argparse type: comma-separated non-negative integers, at least one ("0,1,2")."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+    if not seeds or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return seeds
+
+
+def choice_list(choices):
+    """argparse type: comma-separated names, each one of `choices`, at least one."""
+    def parse(text):
+        names = [a.strip() for a in text.split(",") if a.strip()]
+        unknown = [a for a in names if a not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown name(s) {unknown}; expected some of {list(choices)}")
+        return names
+    parse.__name__ = "list"
+    return parse
