@@ -3,6 +3,7 @@
 Examples:
     python chapters/ch06_train.py                    # bundled tiny model, arithmetic world, CPU
     python chapters/ch06_train.py --steps 20 --output-dir runs/ch06-short
+    torchrun --nproc-per-node 2 chapters/ch06_train.py    # data-parallel, the same run
 """
 
 import sys

@@ -21,6 +21,7 @@ from dataclasses import fields
 import torch
 
 from reasoning_from_scratch.device import get_device
+from reasoning_from_scratch.distributed import refuse_multiple_processes
 from reasoning_from_scratch.grpo_comparison import (
     ARMS,
     COMPARISON_DEFAULTS,
@@ -37,6 +38,11 @@ from reasoning_from_scratch.training_cli import (
 )
 from reasoning_from_scratch.validation import choice_list, seed_list
 from reasoning_from_scratch.weights import load_pretrained
+
+# Why torchrun is refused (each of its processes would run every arm and write the same files).
+ONE_PROCESS_ONLY = ("it trains many small runs, one after another, into shared result files; "
+                    "for more cores start one comparison per --seeds value with its own "
+                    "--output-dir")
 
 
 def build_parser():
@@ -64,6 +70,7 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    refuse_multiple_processes("ch07_compare.py", ONE_PROCESS_ONLY)
     arms, seeds = args.arms, args.seeds
     shared = {f.name: getattr(args, f.name) for f in fields(GRPOConfig) if f.name != "output_dir"}
     try:

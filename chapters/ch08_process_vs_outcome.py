@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from reasoning_from_scratch.distributed import refuse_multiple_processes
 from reasoning_from_scratch.supervision_experiment import (
     ARMS,
     DEFAULT_ARMS,
@@ -38,6 +39,12 @@ from reasoning_from_scratch.validation import (
     positive_int,
     seed_list,
 )
+
+# Why torchrun is refused (each of its processes would run every arm and write the same files).
+ONE_PROCESS_ONLY = ("it trains many small runs (arms x seeds), one after another, into shared "
+                    "result files; for more cores start one experiment per --seeds value with "
+                    "its own --output-dir, or train one arm data-parallel with "
+                    "`torchrun ... chapters/ch07_train.py --supervision process`")
 
 
 def build_parser():
@@ -103,6 +110,7 @@ def main(argv=None):
     """Parse and check the flags, then run the experiment; returns its summary."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    refuse_multiple_processes("ch08_process_vs_outcome.py", ONE_PROCESS_ONLY)
     defaults = GRPOConfig()
     for name, why in PER_RUN.items():
         if getattr(args, name) != getattr(defaults, name):

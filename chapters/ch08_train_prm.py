@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from reasoning_from_scratch.device import device_arg, get_device
+from reasoning_from_scratch.distributed import refuse_multiple_processes
 from reasoning_from_scratch.prm import CONFIG_FILE as PRM_CONFIG_FILE
 from reasoning_from_scratch.prm import train_prm_on_arithmetic
 from reasoning_from_scratch.validation import non_negative_int, positive_float, positive_int
@@ -63,6 +64,8 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    refuse_multiple_processes("ch08_train_prm.py", "the PRM's data sampling and training are "
+                              "not split between processes")
     out = args.output_dir or time.strftime("runs/prm-%Y%m%d-%H%M%S")
     if (Path(out) / PRM_CONFIG_FILE).exists() and not args.overwrite:
         parser.error(f"{out} already holds a PRM; pass --overwrite to replace it, or choose "

@@ -39,6 +39,7 @@ __all__ = [
     "GenerationOutput",
     "Rollouts",
     "top_p_filter",
+    "row_uniforms",
     "sample_next_token",
     "compile_decode",
     "generate",
@@ -117,14 +118,36 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
+# One torch.Generator for a whole batch, or a sequence of k generators where generator i draws
+# the random numbers of rows i*B/k .. (i+1)*B/k - 1 (e.g. one per prompt of a GRPO step, so a
+# group's samples do not depend on which other prompts share its batch).
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+def row_uniforms(n: int, generator: Generators, device) -> torch.Tensor:
+    """(n, 1) uniform numbers in [0, 1): from one generator, or row blocks from a list of them."""
+    if generator is None or isinstance(generator, torch.Generator):
+        gen_device = generator.device if generator is not None else device
+        return torch.rand(n, 1, generator=generator, device=gen_device).to(device)
+    k = len(generator)
+    if k == 0 or n % k:
+        raise ValueError(f"{k} generators cannot share {n} rows evenly")
+    per = n // k  # rows drawn by each generator, in order
+    return torch.cat([torch.rand(per, 1, generator=g, device=g.device).to(device)
+                      for g in generator])
+
+
 def sample_next_token(
     logits: torch.Tensor,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int | None = None,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
 ) -> torch.Tensor:
-    """Pick one token per row from logits (B, V): argmax if temperature == 0, else sample."""
+    """Pick one token per row from logits (B, V): argmax if temperature == 0, else sample.
+
+    `generator`: one torch.Generator, or k of them for B/k rows each (see `row_uniforms`).
+    """
     if temperature is None or temperature <= 0.0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature  # (B, V)
@@ -142,8 +165,7 @@ def sample_next_token(
     # One random number per row (cheaper than torch.multinomial on CPU); u > 0 guarantees the
     # chosen token has non-zero probability. Works on unnormalised, filtered probabilities.
     cdf = probs.cumsum(dim=-1)  # (B, V)
-    gen_device = generator.device if generator is not None else probs.device
-    r = torch.rand(probs.shape[0], 1, generator=generator, device=gen_device).to(probs.device)
+    r = row_uniforms(probs.shape[0], generator, probs.device)  # (B, 1)
     u = (1.0 - r) * cdf[:, -1:]  # (B, 1)
     choice = torch.searchsorted(cdf, u)  # (B, 1)
     if sorted_idx is not None:
@@ -209,7 +231,7 @@ def generate(
     top_p: float = 1.0,
     top_k: int | None = None,
     eos_token_id: int | Sequence[int] | None = None,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     num_return_sequences: int = 1,
     pad_token_id: int | None = None,
     callback: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
@@ -224,6 +246,8 @@ def generate(
     (default: the first EOS id, else 0) and are masked. Decoding ends when every row has
     finished or after `max_new_tokens`. With `num_return_sequences=G` the prompt is prefilled
     once and the cache expanded to G rows per prompt (rows b*G..b*G+G-1 belong to prompt b).
+    `generator`: one torch.Generator, or B of them, generator b drawing for prompt b's G rows
+    (`row_uniforms`).
     `callback(new_tokens (B*,), is_real (B*,))`, if given, is called after every step
     (used for streaming). `return_logprobs` records log softmax(logits / T) of every chosen token
     (T = temperature, 1 for greedy; before top-p/top-k, the distribution the trainer sees).
@@ -407,14 +431,16 @@ def sample_rollouts_batch(
     temperature: float = 0.8,
     top_p: float = 0.9,
     top_k: int | None = None,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     return_logprobs: bool = False,
 ) -> list[Rollouts]:
     """G completions of each of N prompts, all decoded as one (N*G)-row batch.
 
     Each prompt is prefilled once (left padded among the N) and its cache row repeated G times,
     so a GRPO step with several prompts runs one decoding loop instead of N. `return_logprobs`:
-    each Rollouts also carries the sampler's token log-probs (see `generate`).
+    each Rollouts also carries the sampler's token log-probs (see `generate`). `generator`: one
+    for the whole batch, or N (one per prompt, drawing for its G rows): then a prompt's
+    rollouts are the same whichever prompts share the batch (data-parallel GRPO).
     """
     encoded, out, texts = _generate_from_texts(
         model,

@@ -582,13 +582,33 @@ def pack_rollouts(prompts_ids, completion_ids, completion_masks, pad_id=0):
     return torch.cat(rows), attention_mask, P, torch.cat(cmask)
 
 
+def _batch_advantages(groups, rewards, reward_fn, scale_rewards, reward_normalization,
+                      gather_groups):
+    """Outcome advantages (N, G) of `collect_rollouts`' groups: GRPO's or GDPO's."""
+    per_reward = reward_normalization == "per_reward"
+    if per_reward:  # GDPO: each (gated) term normalised in its group
+        paid = [[reward_fn.paid(s[1]) for s in scored] for _, _, scored in groups]  # N x G x K
+        values = torch.tensor(paid, dtype=torch.float32).permute(0, 2, 1)  # (N, K, G)
+    else:
+        values = rewards.float()  # (N, G)
+    start, n = 0, values.shape[0]
+    if gather_groups is not None and (per_reward or scale_rewards == "batch"):
+        values, start = gather_groups(values)  # every process's groups: (N_all, ...)
+    if per_reward:
+        weights = [t.weight for t in reward_fn.terms]
+        adv = group_advantages_multi(values.permute(1, 0, 2), weights, scale_rewards)
+    else:
+        adv = group_advantages(values, scale_rewards)
+    return adv[start:start + n]  # (N, G): this process's groups
+
+
 @torch.no_grad()
 def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts=8,
                      max_new_tokens=512, temperature=0.8, top_p=0.9, generator=None,
                      scale_rewards="group", skip_zero_advantage=False, mask_truncated=False,
                      prompt_fn: Callable[[str], str] = render_prompt,
                      advantage_fn=None, record_logprobs=False,
-                     reward_normalization="sum") -> RolloutBatch:
+                     reward_normalization="sum", gather_groups=None) -> RolloutBatch:
     """Sample G rollouts per example (one prefill each, all decoded together), score, pack.
 
     reward_fn(text, token_ids, prompt_len, example) -> (total, components) (a `CompositeReward`).
@@ -605,6 +625,11 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
     importance sampling and off-policy masking). reward_normalization: "sum" normalises the
     weighted sum of the reward terms in each group (GRPO); "per_reward" normalises each term of
     a `CompositeReward` in its group before the weighted sum (GDPO, `group_advantages_multi`).
+    generator: one torch.Generator, or one per example (its G rows; `generation.row_uniforms`).
+    gather_groups (data-parallel runs, `distributed.gather_groups`): x (N, ...) ->
+    (x of every process's groups (N_all, ...), where this process's start); the advantages that
+    look beyond a group (scale_rewards "batch", GDPO's batch normalisation) are then computed
+    over the whole batch, as one process holding every group would.
     """
     if reward_normalization not in REWARD_NORMALIZATIONS:
         raise ValueError(f"reward_normalization must be one of {REWARD_NORMALIZATIONS}, "
@@ -625,13 +650,8 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
         groups.append((example, ro, scored))
 
     rewards = torch.tensor([[s[0] for s in scored] for _, _, scored in groups])  # (N, G)
-    if reward_normalization == "per_reward":
-        terms = reward_fn.terms  # GDPO: each (gated) term normalised in its group
-        paid = [[reward_fn.paid(s[1]) for s in scored] for _, _, scored in groups]  # N x G x K
-        comps = torch.tensor(paid, dtype=torch.float32).permute(2, 0, 1)  # (K, N, G)
-        advantages = group_advantages_multi(comps, [t.weight for t in terms], scale_rewards)
-    else:
-        advantages = group_advantages(rewards, scale_rewards)  # (N, G)
+    advantages = _batch_advantages(groups, rewards, reward_fn, scale_rewards,
+                                   reward_normalization, gather_groups)  # (N, G)
     zero = (advantages == 0).all(dim=1)  # (N,) groups without signal (exact zeros)
     if advantage_fn is not None:
         # Process supervision: a group whose outcomes are all equal can still hold step-level

@@ -16,23 +16,21 @@ gives the base model a *varied* greedy behaviour in which the think format wins 
 problems, while every format keeps a clear share of the samples. Reinforcement learning with the
 strict (boxed) correctness and think-format rewards then has something to select.
 
-`pretrain` is a plain next-token loop (AdamW, linear warmup + cosine decay, gradient clipping)
-whose loss covers only the completion tokens (see its docstring), and `build_tiny_model` runs
-everything end to end and reports the held-out figures.
+Pretraining is `sft.train_sft`, the project's one next-token loop (AdamW, linear warmup + cosine
+decay, gradient clipping; the loss covers only the completion tokens), which chapter 9 also uses
+to distil a teacher into a student; `build_tiny_model` runs everything end to end and reports
+the held-out figures.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import random
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
 from .arithmetic import (
     STYLES,
@@ -45,7 +43,8 @@ from .arithmetic import (
 )
 from .evaluation import evaluate
 from .prompts import render_prompt
-from .qwen3 import KVCache, Qwen3Model, tiny_config
+from .qwen3 import Qwen3Model, tiny_config
+from .sft import train_sft
 from .tokenizer import END_THINK, ENDOFTEXT, IM_END, IM_START, THINK, Qwen3Tokenizer
 from .weights import save_pretrained
 
@@ -203,158 +202,6 @@ def document_text(doc: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Pretraining
-# ----------------------------------------------------------------------------------------------
-
-
-def tokenize_documents(docs, tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(prompt_ids, completion_ids + [EOS]) per document, encoded separately like at inference."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("tokenizer has no EOS token id (check its tokenizer_config.json)")
-    return [
-        (tokenizer.encode(d["prompt"]), tokenizer.encode(d["completion"]) + [eos]) for d in docs
-    ]
-
-
-def shared_prefix_len(pairs) -> int:
-    """Length of the token prefix all prompts share (the fixed instructions of the template).
-
-    Kept at least one token short of the shortest prompt, so every row still predicts its first
-    completion token from a position of its own.
-    """
-    first = pairs[0][0]
-    n = min(len(p) for p, _ in pairs) - 1
-    for p, _ in pairs:
-        while n > 0 and p[:n] != first[:n]:
-            n -= 1
-    return max(n, 0)
-
-
-def collate(pairs, pad_id: int, prefix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded inputs (B, T) and targets (B, T), -100 on prompt and padding positions.
-
-    The first `prefix_len` tokens (shared by every row) are left out of the inputs; position j
-    of a row holds token prefix_len + j and is trained to predict token prefix_len + j + 1.
-    """
-    seqs = [p + c for p, c in pairs]
-    T = max(len(s) for s in seqs) - 1 - prefix_len
-    inputs = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    targets = torch.full((len(seqs), T), -100, dtype=torch.long)
-    for i, ((p, c), s) in enumerate(zip(pairs, seqs)):
-        inputs[i, : len(s) - 1 - prefix_len] = torch.tensor(s[prefix_len:-1])
-        # Only completion tokens (incl. EOS) are scored: the first is predicted at len(p) - 1.
-        start = len(p) - 1 - prefix_len
-        targets[i, start : start + len(c)] = torch.tensor(c)
-    return inputs, targets
-
-
-def batch_logits(model, prefix: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-    """Logits (B, T, V) of `inputs` that all continue the same `prefix` (P,) of token ids.
-
-    The shared prefix (the prompt's fixed instructions, about a third of every sequence) is run
-    once with batch size 1 and its keys/values are repeated for the B rows (KVCache.expand);
-    gradients flow through the cache, so this equals running the full sequences, only cheaper.
-    Padding is on the right, after every real token, so the causal mask alone suffices.
-    """
-    if prefix.numel() == 0:
-        return model(inputs)
-    cache = KVCache(model.cfg.num_hidden_layers)
-    model(prefix[None], cache=cache)  # (1, P) fills the cache; its logits are not needed
-    cache.expand(inputs.shape[0])
-    return model(inputs, cache=cache)  # (B, T, V)
-
-
-def length_bucketed_batches(lengths, batch_size: int, rng, window: int = 8) -> list[list[int]]:
-    """One epoch of batches: shuffle, sort each window of `window` batches by length, cut, shuffle.
-
-    Sequences of similar length share a batch, so little compute goes to padding, while the
-    window keeps the batches (and their mix of solution formats) close to random.
-    """
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    batches = []
-    for start in range(0, len(order), batch_size * window):
-        chunk = sorted(order[start : start + batch_size * window], key=lengths.__getitem__)
-        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
-    rng.shuffle(batches)
-    return batches
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.1) -> float:
-    """Linear warmup to `peak`, then cosine decay to `min_ratio * peak` (Loshchilov & Hutter)."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def pretrain(
-    model,
-    tokenizer,
-    docs,
-    steps: int,
-    batch_size: int = 64,
-    lr: float = 2e-3,
-    warmup: int = 100,
-    weight_decay: float = 0.1,
-    grad_clip: float = 1.0,
-    seed: int = 0,
-    share_prefix: bool = True,
-    progress: bool = True,
-) -> list[float]:
-    """Next-token training on the completions of `docs`; returns the loss of every step.
-
-    The loss covers only the completion (and its EOS), not the prompt: the prompt is a fixed
-    template plus random problem numbers, i.e. either learned within a few steps or irreducible
-    noise, and scoring it would spend the tiny model's capacity on predicting random operands.
-    Batches are drawn without replacement from a seeded shuffle, grouped by length
-    (`length_bucketed_batches`) and right-padded, so no attention mask is needed (padding only
-    follows the real tokens of a causal model). With `share_prefix`
-    the prompt tokens every document shares are computed once per batch (`batch_logits`).
-    """
-    pairs = tokenize_documents(docs, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    P = shared_prefix_len(pairs) if share_prefix else 0
-    prefix = torch.tensor(pairs[0][0][:P], dtype=torch.long, device=model.device)  # (P,)
-    rng = random.Random(seed)
-    lengths = [len(p) + len(c) for p, c in pairs]
-    queue: list[list[int]] = []
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]  # norms: no weight decay
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=lr,
-        betas=(0.9, 0.95),
-    )
-    model.train()
-    losses = []
-    bar = tqdm(range(steps), desc="pretrain", disable=not progress)
-    for step in bar:
-        if not queue:
-            queue = length_bucketed_batches(lengths, batch_size, rng)
-        batch = [pairs[i] for i in queue.pop()]
-        inputs, targets = collate(batch, pad_id, P)
-        inputs, targets = inputs.to(model.device), targets.to(model.device)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr, warmup)
-        logits = batch_logits(model, prefix, inputs).float()  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        opt.step()
-        losses.append(loss.item())
-        if step % 10 == 0 or step == steps - 1:
-            bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
-    model.eval()
-    return losses
-
-
-# ----------------------------------------------------------------------------------------------
 # Measuring the base model
 # ----------------------------------------------------------------------------------------------
 
@@ -465,7 +312,8 @@ def build_tiny_model(
             vocab_size=tokenizer.vocab_size, bos_token_id=eos, eos_token_id=eos, **TINY_ARITH_ARCH
         )
         model = Qwen3Model(cfg)
-        losses = pretrain(
+        # weight_decay 0.1, grad_clip 1.0: train_sft's defaults, the shipped build's settings
+        losses = train_sft(
             model, tokenizer, docs, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
             seed=seed, progress=progress,
         )

@@ -11,6 +11,19 @@ Interrupts lose nothing: the update, its metrics row and a checkpoint write are 
 sections (interrupts.py), and Ctrl-C at any other moment saves `checkpoint-<k>` holding exactly
 k updates, plus whether step k's evaluation was still to run; `resume_from` then continues to
 the same weights and metrics as an uninterrupted run.
+
+Data-parallel runs (`torchrun --nproc-per-node N`, distributed.py) run this same code in every
+process. A step's prompts are split between the processes, whole groups each; every prompt
+samples with its own generator, seeded by (seed, step, prompt index), so the rollouts do not
+depend on how many processes share the step. Each process scales its loss by the whole batch's
+normalisers (rollouts, or answer tokens for dapo / cispo; `global_totals`) and the gradients
+are summed over the processes (an explicit all-reduce after the micro-batches rather than
+DistributedDataParallel: the loop's micro-batching and its loss normalisation decide the
+scaling, and a process may hold no rows at all when its groups had no signal): the update is
+the one-process update, up to float summation order. Rewards, samples and evaluation answers
+are gathered, so metrics.csv, samples.jsonl and summary.json match a one-process run; its
+timing columns are rank 0's own clock. Rank 0 alone writes. Ctrl-C on any process is agreed on
+at the next phase boundary and stops every process there, with a checkpoint.
 """
 
 from __future__ import annotations
@@ -19,8 +32,8 @@ import copy
 import math
 import random
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -33,7 +46,26 @@ from .checkpoints import (
     load_weights_into,
     save_checkpoint,
 )
-from .evaluation import evaluate
+from .distributed import (
+    all_gather_objects,
+    all_ranks,
+    all_reduce_grads,
+    all_reduce_max,
+    all_reduce_sum,
+    any_rank,
+    barrier,
+    check_same_on_all_ranks,
+    gather_groups,
+    gather_lists,
+    is_main,
+    params_checksum,
+    rank,
+    run_on_main,
+    shard,
+    shard_range,
+    world_size,
+)
+from .evaluation import evaluate, summarize
 from .files import atomic_write_json
 from .grpo import (
     KL_ESTIMATORS,
@@ -47,7 +79,7 @@ from .grpo import (
     concat_rollout_batches,
     grpo_loss_on_batch,
 )
-from .interrupts import defer_interrupts
+from .interrupts import defer_interrupts, record_interrupts
 from .plotting import plot_grpo_metrics
 from .process_supervision import make_process_advantage_fn
 from .prompts import render_prompt
@@ -236,18 +268,41 @@ def step_prompts(examples, step, config):
     return out
 
 
-def rollout_generator(device, seed, step):
-    """Per-step sampling generator: step s samples the same rollouts however the run got there."""
+def rollout_seed(seed, step, index):
+    """The sampling seed of prompt `index` of step `step`: distinct for every (step, index) below
+    a million each, so no two prompts of a run share a random stream."""
+    return ((seed * 1_000_003 + step) * 1_000_033 + index) % 2**63
+
+
+def rollout_generators(device, seed, step, indices: Iterable[int]):
+    """One sampling generator per prompt index of a step (dynamic sampling's round r numbers its
+    prompts from r x prompts_per_step): a prompt's rollouts are the same however the run got
+    there and whichever process samples it, alone or with any other prompts."""
     dev = torch.device(device)
-    gen = torch.Generator(device=dev if dev.type == "cuda" else "cpu")
-    return gen.manual_seed(seed * 1_000_003 + 7_919 * step + 1)
+    gen_device = dev if dev.type == "cuda" else torch.device("cpu")
+    return [torch.Generator(device=gen_device).manual_seed(rollout_seed(seed, step, i))
+            for i in indices]
 
 
-def micro_batch_weight(mb, batch, loss_type):
-    """Scale of a micro-batch's loss so the accumulated gradient equals the full batch's."""
+def micro_batch_weight(mb, batch, loss_type, totals=None):
+    """Scale of a micro-batch's loss so the accumulated gradient equals the full batch's.
+
+    totals: (rollouts, answer tokens) of the whole step's batch when `batch` is one process's
+    share of it (data-parallel runs, `global_totals`); default: `batch`'s own.
+    """
+    if totals is None:
+        totals = (batch.size, float(batch.completion_mask.sum()))
+    rows, tokens = totals
     if loss_type in ("dapo", "cispo"):  # token mean over the whole batch
-        return float(mb.completion_mask.sum()) / max(1, float(batch.completion_mask.sum()))
-    return mb.size / batch.size  # per-sequence means and dr_grpo's constant divisor
+        return float(mb.completion_mask.sum()) / max(1.0, tokens)
+    return mb.size / max(1, rows)  # per-sequence means and dr_grpo's constant divisor
+
+
+def global_totals(batch) -> tuple[int, float]:
+    """(rollouts, answer tokens) entering the loss, summed over every process of the run: the
+    normalisers that make N processes' update equal the one-process update."""
+    rows, tokens = all_reduce_sum([batch.size, float(batch.completion_mask.sum())])
+    return int(rows), tokens
 
 
 def rollout_metrics(batch: RolloutBatch, reward_names):
@@ -271,23 +326,28 @@ def rollout_metrics(batch: RolloutBatch, reward_names):
 # The update
 # ----------------------------------------------------------------------------------------------
 
-def _update(model, optimizer, batch, old_logp, ref_logp, config):
+def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None):
     """One optimizer step on a batch (micro-batched); returns loss stats.
 
+    Data-parallel runs: `batch` is this process's share and `totals` (`global_totals`) the whole
+    step's counts; every micro-batch's loss is scaled by its share of the *whole* batch
+    (`micro_batch_weight`) and the gradients are then summed over the processes
+    (`distributed.all_reduce_grads`), which is exactly the one-process gradient, whatever each
+    process's share and micro-batching. Every process then clips and steps identically.
     Skipped (weights and AdamW moments untouched) when the loss or the *clipped* gradient is
-    not finite: the clipped gradient is what the optimizer would apply.
+    not finite, on any process: the clipped gradient is what the optimizer would apply.
     """
     optimizer.zero_grad(set_to_none=True)
-    mbs = config.micro_batch_size or batch.size
+    rows, tokens = global_totals(batch) if totals is None else totals
+    mbs = config.micro_batch_size or max(1, batch.size)
     per_sequence = config.loss_type in SEQUENCE_LOSS_TYPES  # their statistics count completions
-    total_tokens = max(1.0, float(batch.completion_mask.sum()))
     sums, finite_ = {"ratio_max": None}, True
     for start in range(0, batch.size, mbs):
         mb = batch.slice(start, start + mbs)
-        w = micro_batch_weight(mb, batch, config.loss_type)
+        w = micro_batch_weight(mb, batch, config.loss_type, (rows, tokens))
         # statistics are means over tokens (or completions): weight by this micro-batch's share
-        w_stat = mb.size / batch.size if per_sequence else \
-            float(mb.completion_mask.sum()) / total_tokens
+        w_stat = mb.size / rows if per_sequence else \
+            float(mb.completion_mask.sum()) / max(1.0, tokens)
         sl = slice(start, start + mbs)
         out = grpo_loss_on_batch(
             model, mb, None if old_logp is None else old_logp[sl],
@@ -311,8 +371,11 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config):
                 sums[k] = sums.get(k, 0.0) + out[k] * w_stat
         if w_stat and out.get("ratio_max") is not None and math.isfinite(out["ratio_max"]):
             sums["ratio_max"] = max(sums["ratio_max"] or out["ratio_max"], out["ratio_max"])
+    finite_ = all_ranks(finite_)  # one process's NaN skips the update everywhere
+    sums = _reduce_loss_stats(sums)
     grad_norm = float("nan")
     if finite_:
+        all_reduce_grads(model.parameters())  # the whole batch's gradient on every process
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                          config.max_grad_norm))
         finite_ = math.isfinite(grad_norm) and _grads_finite(model)
@@ -325,6 +388,22 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config):
         optimizer.zero_grad(set_to_none=True)
         sums.setdefault("loss", float("nan"))
     return {**sums, "grad_norm": grad_norm, "skipped": int(not finite_)}
+
+
+# Loss statistics of `_update` that are sums of shares of the whole batch (see `w`, `w_stat`).
+_SUMMED_STATS = ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac_low",
+                 "clip_frac_high", "tis_weight_mean", "off_policy_mask_frac")
+
+
+def _reduce_loss_stats(sums):
+    """`_update`'s statistics of the whole batch: each process's weighted sums added up (a
+    statistic no process measured stays absent), ratio_max the maximum over processes."""
+    flat = [x for k in _SUMMED_STATS for x in (sums.get(k, 0.0), float(k in sums))]
+    total = all_reduce_sum(flat)  # (value, present) pairs
+    out = {k: total[2 * i] for i, k in enumerate(_SUMMED_STATS) if total[2 * i + 1]}
+    top = all_reduce_max([-math.inf if sums["ratio_max"] is None else sums["ratio_max"]])[0]
+    out["ratio_max"] = None if top == -math.inf else top
+    return out
 
 
 def _grads_finite(model) -> bool:
@@ -344,13 +423,18 @@ def _params_finite(model) -> bool:
 
 def evaluate_policy(model, tokenizer, examples, device, config, prompt_fn=render_prompt):
     """Greedy held-out figures: strict accuracy, think-format rate, accuracy among think answers,
-    verifier step correctness, right answer with a wrong step, accuracy per level."""
-    res = evaluate(model, tokenizer, examples, device,
+    verifier step correctness, right answer with a wrong step, accuracy per level.
+
+    Data-parallel runs: every process answers a contiguous share of `examples` and the answers
+    are gathered (in the examples' order) before the figures are computed, on every process.
+    """
+    res = evaluate(model, tokenizer, shard(examples), device,
                    max_new_tokens=config.eval_max_new_tokens or config.max_new_tokens,
                    batch_size=config.eval_batch_size, prompt_fn=prompt_fn, progress=False)
+    figures = summarize(gather_lists(res["records"]), res["generation_s"])
     # str keys: the same dict before and after a JSON round trip (checkpoints, summary.json)
-    return {**{k: res[k] for k in EVAL_FIGURES},
-            "per_level": {str(k): v for k, v in res["per_level"].items()}}
+    return {**{k: figures[k] for k in EVAL_FIGURES},
+            "per_level": {str(k): v for k, v in figures["per_level"].items()}}
 
 
 def _eval_row(figures):
@@ -359,28 +443,66 @@ def _eval_row(figures):
 
 
 class _Run:
-    """The mutable state of a run that a checkpoint must capture, and its checkpoint writer."""
+    """The mutable state of a run that a checkpoint must capture, and its file writer.
+
+    Every process of a data-parallel run keeps the state; only rank 0 (`main`) writes: logs,
+    samples, config.json and checkpoints (the weights are the same on every process).
+    """
 
     def __init__(self, out, model, tokenizer, optimizer, config):
         self.out, self.model, self.tokenizer = out, model, tokenizer
         self.optimizer, self.config = optimizer, config
+        self.main = is_main()
         self.completed = 0  # optimizer steps applied to the weights (skipped ones included)
         self.eval_pending = False  # step `completed` is due an evaluation not yet run
         self.base = self.last_eval = None
         self.saved = None  # (completed, eval_pending) of the last checkpoint written
         self.bad_steps = 0  # consecutive steps with a non-finite loss or gradient
+        self.log = None  # rank 0's MetricsLog (`open_logs`)
+
+    def open_logs(self, columns, resumed):
+        """Rank 0 opens metrics.csv and samples.jsonl (dropping rows after a resumed step) and,
+        for a new run, writes config.json; an error there stops every process."""
+        run_on_main(self._open_logs, columns, resumed)
+
+    def _open_logs(self, columns, resumed):
+        """`open_logs` on rank 0."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = MetricsLog(self.out / "metrics.csv", columns,
+                              keep_upto=self.completed if resumed else None)
+        truncate_samples(self.out / "samples.jsonl", self.completed)
+        if not resumed:
+            atomic_write_json(self.out / "config.json",
+                              {**asdict(self.config), "world_size": world_size()})
+
+    def log_step(self, row, samples):
+        """Rank 0: a step's metrics row, and its completions every `sample_every` steps."""
+        if not self.main:
+            return
+        self.log.append(row)
+        every = self.config.sample_every
+        if every and row["step"] % every == 0:
+            append_samples(self.out / "samples.jsonl", row["step"], samples)
+
+    def log_eval(self, figures):
+        """Rank 0: an evaluation's figures into the last metrics row."""
+        if self.main:
+            self.log.patch_last_row(_eval_row(figures))
 
     def checkpoint(self, name=None):
-        """Save `checkpoint-<completed>` (or `name`), unless this exact state is saved already."""
+        """Save `checkpoint-<completed>` (or `name`), unless this exact state is saved already;
+        rank 0 writes it, the other processes only note it as saved."""
         key = (name, self.completed, self.eval_pending)
+        path = self.out / (name or f"checkpoint-{self.completed}")
         if key == self.saved:
-            return self.out / (name or f"checkpoint-{self.completed}")
-        path = save_checkpoint(
-            self.out / (name or f"checkpoint-{self.completed}"), self.model, self.tokenizer,
-            self.optimizer, self.completed, self.config,
-            {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
-             "output_dir": str(self.out)},
-        )
+            return path
+        if self.main:
+            save_checkpoint(
+                path, self.model, self.tokenizer, self.optimizer, self.completed, self.config,
+                {"base": self.base, "last_eval": self.last_eval,
+                 "eval_pending": self.eval_pending, "output_dir": str(self.out),
+                 "world_size": world_size()},
+            )
         self.saved = key
         return path
 
@@ -402,12 +524,24 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     phase_hook(phase, step): called as each phase starts ("base_eval", "rollouts", "update",
     "eval", "checkpoint", "final_eval", "final_save"; step = the update being made or just
     made); for progress displays and for tests that interrupt a run at a chosen moment.
+
+    Data-parallel (distributed.py): every process of a torchrun group calls this with the same
+    arguments and its own device, after `distributed.init_distributed`. Each samples its share
+    of every step's prompts (whole groups) and the update is the one-process update on the whole
+    batch, so N processes give the run one process gives (up to float summation order). Rank 0
+    alone writes files and prints; resume_from must be readable by every process. Ctrl-C on any
+    process stops them all at the next phase boundary (after the rollouts, the update, an
+    evaluation), where they agree on it, with a checkpoint of the completed updates.
     """
+    world = world_size()
+    if world > config.prompts_per_step:
+        raise ValueError(f"{world} processes need at least as many prompts per step, got "
+                         f"prompts_per_step={config.prompts_per_step}")
+    if not is_main():
+        config = replace(config, progress=False)  # rank 0 prints for everyone
     out = Path(config.output_dir)
     if resume_from is None:
-        if overwrite:
-            clear_run_dir(out)
-        check_new_run_dir(out)
+        run_on_main(_prepare_new_run_dir, out, overwrite)
     hook = phase_hook or (lambda phase, step: None)
     if config.supervision == "process" and advantage_fn is None:
         advantage_fn = make_process_advantage_fn(
@@ -436,85 +570,112 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
         run.base = state.get("base") or base_evaluation
         run.last_eval = state.get("last_eval") or run.base
         run.saved = (None, run.completed, run.eval_pending)
-    out.mkdir(parents=True, exist_ok=True)
+    run.open_logs(columns, resumed=resume_from is not None)
     ref_model = _reference_model(model, tokenizer, out, config, resumed=resume_from is not None)
-    log = MetricsLog(out / "metrics.csv", columns,
-                     keep_upto=run.completed if resume_from is not None else None)
-    truncate_samples(out / "samples.jsonl", run.completed)
-    if resume_from is None:
-        atomic_write_json(out / "config.json", asdict(config))
 
     def evaluate_now():
         return evaluate_policy(model, tokenizer, eval_set, device, config, prompt_fn)
 
     bar = tqdm(total=config.steps, initial=run.completed, desc="grpo",
                disable=not config.progress)
-    try:
-        if run.base is None:
-            hook("base_eval", 0)
-            run.base = run.last_eval = evaluate_now()
-            _print(config, f"base model: held-out {_eval_line(run.base)} "
-                           f"({len(eval_set)} examples)")
-        if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
-            _evaluate_step(run, log, evaluate_now, hook)
-        while run.completed < config.steps:
-            step = run.completed
-            hook("rollouts", step + 1)
-            batch, cost = _rollouts(model, tokenizer, train_examples, device, config,
-                                    reward_fn, advantage_fn, prompt_fn, step)
-            with defer_interrupts():  # the update, its row and its samples: all or nothing
-                row = _apply_update(model, optimizer, batch, config, ref_model, reward_names,
-                                    step, cost, hook)
-                log.append(row)
-                if config.sample_every and (step + 1) % config.sample_every == 0:
-                    append_samples(out / "samples.jsonl", step + 1, batch.samples)
-                run.completed = step + 1
-                run.eval_pending = bool(config.eval_every and run.completed % config.eval_every
-                                        == 0 and run.completed < config.steps)
-                run.bad_steps = run.bad_steps + 1 if row["skipped"] else 0
-            bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}",
-                            correct=f"{row.get('correct_mean', 0):.2f}",
-                            acc=f"{run.last_eval['accuracy']:.2f}")
-            _print(config, _row_line(row))
-            if run.bad_steps >= MAX_BAD_STEPS:
-                _stop_after_bad_steps(run)
-            if run.eval_pending:
-                _evaluate_step(run, log, evaluate_now, hook)
-            if config.checkpoint_every and run.completed % config.checkpoint_every == 0:
-                with defer_interrupts():
-                    hook("checkpoint", run.completed)
-                    run.checkpoint()
-        bar.close()
-        hook("final_eval", run.completed)
-        final = evaluate_now()
-        with defer_interrupts():
-            hook("final_save", run.completed)
-            run.last_eval = final
-            log.patch_last_row(_eval_row(final))
-            run.checkpoint("final")
-            summary = _summary(run, final, len(eval_set), time.time() - t_start)
-            atomic_write_json(out / "summary.json", summary)
-            plot_grpo_metrics(out / "metrics.csv", PLOT_COLUMNS, save_as=out / "metrics.png")
-    except KeyboardInterrupt:
-        bar.close()
-        with defer_interrupts():
-            path = run.checkpoint()
-        tqdm.write(f"interrupted: {path} holds {run.completed} update(s); continue with "
-                   f"--resume {out}")  # printed even without progress output
-        raise
+    # Several processes stop only where all of them check (`_stop_if_interrupted`); one
+    # process stops at once (record_interrupts is then off and Ctrl-C raises where it lands).
+    with record_interrupts(enabled=world > 1) as interrupted:
+        try:
+            if run.base is None:
+                hook("base_eval", 0)
+                run.base = run.last_eval = evaluate_now()
+                _print(config, f"base model: held-out {_eval_line(run.base)} "
+                               f"({len(eval_set)} examples)")
+            if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
+                _stop_if_interrupted(interrupted)
+                _evaluate_step(run, evaluate_now, hook)
+            while run.completed < config.steps:
+                _stop_if_interrupted(interrupted)
+                step = run.completed
+                hook("rollouts", step + 1)
+                batch, cost = _rollouts(model, tokenizer, train_examples, device, config,
+                                        reward_fn, advantage_fn, prompt_fn, step)
+                _stop_if_interrupted(interrupted)
+                with defer_interrupts():  # the update, its row and its samples: all or nothing
+                    row = _apply_update(model, optimizer, batch, config, ref_model,
+                                        reward_names, step, cost, hook)
+                    run.log_step(row, batch.samples)
+                    run.completed = step + 1
+                    run.eval_pending = bool(config.eval_every and run.completed
+                                            % config.eval_every == 0
+                                            and run.completed < config.steps)
+                    run.bad_steps = run.bad_steps + 1 if row["skipped"] else 0
+                bar.update(1)
+                bar.set_postfix(reward=f"{row['reward_mean']:.2f}",
+                                correct=f"{row.get('correct_mean', 0):.2f}",
+                                acc=f"{run.last_eval['accuracy']:.2f}")
+                _print(config, _row_line(row))
+                if run.bad_steps >= MAX_BAD_STEPS:
+                    _stop_after_bad_steps(run)
+                if run.eval_pending:
+                    _stop_if_interrupted(interrupted)
+                    _evaluate_step(run, evaluate_now, hook)
+                if config.checkpoint_every and run.completed % config.checkpoint_every == 0:
+                    with defer_interrupts():
+                        hook("checkpoint", run.completed)
+                        run.checkpoint()
+            bar.close()
+            _stop_if_interrupted(interrupted)
+            hook("final_eval", run.completed)
+            final = evaluate_now()
+            _stop_if_interrupted(interrupted)
+            if world > 1:  # the replicas must have made identical updates
+                check_same_on_all_ranks(params_checksum(model.parameters()), "model weights")
+            with defer_interrupts():
+                hook("final_save", run.completed)
+                run.last_eval = final
+                run.log_eval(final)
+                run.checkpoint("final")
+                summary = _summary(run, final, len(eval_set), time.time() - t_start)
+                run_on_main(_write_summary, out, summary)
+        except KeyboardInterrupt:
+            bar.close()
+            with defer_interrupts():
+                path = run.checkpoint()
+            if run.main:  # printed even without progress output
+                tqdm.write(f"interrupted: {path} holds {run.completed} update(s); continue "
+                           f"with --resume {out}")
+            barrier()  # no process exits (and makes torchrun stop the others) before the save
+            raise
+    barrier()  # every file is written when any process returns
     _print(config, f"held-out before: {_eval_line(run.base)}\nheld-out after:  "
                    f"{_eval_line(final)}\nwrote {out}")
     return summary
 
 
-def _evaluate_step(run, log, evaluate_now, hook):
+def _prepare_new_run_dir(out, overwrite):
+    """Refuse (or, with `overwrite`, clear) a directory that holds a run; rank 0 does this."""
+    if overwrite:
+        clear_run_dir(out)
+    check_new_run_dir(out)
+
+
+def _write_summary(out, summary):
+    """summary.json and metrics.png (rank 0)."""
+    atomic_write_json(out / "summary.json", summary)
+    plot_grpo_metrics(out / "metrics.csv", PLOT_COLUMNS, save_as=out / "metrics.png")
+
+
+def _stop_if_interrupted(interrupted):
+    """Raise KeyboardInterrupt on every process if Ctrl-C reached any of them: every process
+    passes these points in the same order, so they all stop at the same one."""
+    if any_rank(interrupted.received):
+        raise KeyboardInterrupt
+
+
+def _evaluate_step(run, evaluate_now, hook):
     """The evaluation due after step `run.completed`, written into that step's metrics row."""
     hook("eval", run.completed)
     figures = evaluate_now()
     with defer_interrupts():
         run.last_eval, run.eval_pending = figures, False
-        log.patch_last_row(_eval_row(figures))
+        run.log_eval(figures)
     _print(run.config, f"step {run.completed}: EVAL {_eval_line(figures)}")
 
 
@@ -522,6 +683,7 @@ def _stop_after_bad_steps(run):
     """Save the (finite) weights and stop: several updates in a row were NaN/inf and skipped."""
     with defer_interrupts():
         path = run.checkpoint()
+    barrier()  # every process raises: none before rank 0 has saved
     raise FloatingPointError(
         f"{run.bad_steps} steps in a row had a non-finite loss or gradient and were skipped; "
         f"stopping. {path} holds the last finite weights; lower --lr or --max-grad-norm, or "
@@ -538,11 +700,13 @@ def _summary(run, final, eval_examples, wall_seconds):
                       for lv, acc in final["per_level"].items()},
         "steps": run.config.steps, "wall_seconds": wall_seconds,
         "eval_examples": eval_examples, "output_dir": str(run.out),
+        "world_size": world_size(),
     }
 
 
 def _reference_model(model, tokenizer, out, config, resumed):
-    """Frozen copy of the starting policy, only when beta > 0; kept on disk for exact resumes."""
+    """Frozen copy of the starting policy, only when beta > 0; kept on disk for exact resumes
+    (written by rank 0, read by every process)."""
     if not config.beta:
         return None
     ref = copy.deepcopy(model).eval()
@@ -550,7 +714,7 @@ def _reference_model(model, tokenizer, out, config, resumed):
     if resumed:
         load_weights_into(ref, out / "reference")
     else:
-        save_pretrained(ref, tokenizer, out / "reference")
+        run_on_main(save_pretrained, ref, tokenizer, out / "reference")
     return ref
 
 
@@ -559,34 +723,78 @@ def _rollouts(model, tokenizer, examples, device, config, reward_fn, advantage_f
     """Sample, score and pack step `step`'s rollouts; returns (batch, cost) where cost has the
     start time, the rollout seconds, the process scorer's generated tokens and the sampling
     rounds (DAPO dynamic sampling draws more prompts until `prompts_per_step` groups carry a
-    learning signal, at most `max_sampling_rounds` batches of prompts; DAPO section 3.2)."""
+    learning signal, at most `max_sampling_rounds` batches of prompts; DAPO section 3.2).
+
+    Each prompt samples with its own generator (`rollout_generators`). In a data-parallel run
+    every process takes a contiguous share of each batch of prompts (whole groups), so the
+    rollouts, and dynamic sampling's decisions, are those of one process: `batch` holds this
+    process's rows, its statistics fields (rewards, samples, zero_adv_frac,
+    num_generated_tokens) the whole step's, in prompt order, round after round.
+    """
     t0, scorer_before = time.time(), _scorer_tokens(advantage_fn)
-    generator = rollout_generator(device, config.seed, step)  # shared by the rounds, in order
+    P, G = config.prompts_per_step, config.num_rollouts
+    start, stop = shard_range(P)  # this process's prompts of each batch
     rounds = config.max_sampling_rounds if config.dynamic_sampling else 1
-    batches, groups = [], 0
+    batches, shares = [], []  # per round: this process's batch, every process's summary
     for r in range(rounds):
         prompts = step_prompts(examples, step, config) if r == 0 else \
             extra_prompts(examples, step, r, config)
         batch = collect_rollouts(
-            model, tokenizer, prompts, device, reward_fn, config.num_rollouts,
-            config.max_new_tokens, config.temperature, config.top_p, generator,
+            model, tokenizer, prompts[start:stop], device, reward_fn, G,
+            config.max_new_tokens, config.temperature, config.top_p,
+            rollout_generators(device, config.seed, step, range(r * P + start, r * P + stop)),
             config.scale_rewards, config.skip_zero_advantage or config.dynamic_sampling,
             config.mask_truncated, prompt_fn, advantage_fn,
             record_logprobs=config.tis_cap is not None
             or config.off_policy_mask_threshold is not None,
-            reward_normalization=config.reward_normalization,
+            reward_normalization=config.reward_normalization, gather_groups=gather_groups,
         )
         batches.append(batch)
-        groups += batch.size // config.num_rollouts
-        if groups >= config.prompts_per_step:
+        shares.append(all_gather_objects(_share_summary(batch, G)))
+        if sum(share["kept"] for rnd in shares for share in rnd) >= P:
             break
-    if len(batches) > 1:
-        batch = concat_rollout_batches(batches, pad_id_of(tokenizer))
-        full = config.prompts_per_step * config.num_rollouts
-        if batch.size > full:  # the batch size stays fixed: later groups are left out
-            batch = batch.rows(torch.arange(batch.size) < full)
-    return batch, {"t0": t0, "rollout_s": time.time() - t0, "sampling_rounds": len(batches),
-                   "scorer_tokens": _scorer_tokens(advantage_fn) - scorer_before}
+    kept = [[share["kept"] for share in rnd] for rnd in shares]
+    batch = _first_groups(batches, kept, P, G, pad_id_of(tokenizer))
+    scorer_tokens = all_reduce_sum([_scorer_tokens(advantage_fn) - scorer_before])[0]
+    return _with_step_statistics(batch, shares), {
+        "t0": t0, "rollout_s": time.time() - t0, "sampling_rounds": len(batches),
+        "scorer_tokens": int(scorer_tokens)}
+
+
+def _share_summary(batch, G):
+    """What the other processes need of this process's batch of one sampling round."""
+    groups = batch.rewards.shape[0]
+    return {"kept": batch.size // G, "groups": groups, "rewards": batch.rewards.cpu(),
+            "zero_groups": round(batch.zero_adv_frac * groups), "samples": batch.samples,
+            "tokens": batch.num_generated_tokens}
+
+
+def _first_groups(batches, kept, limit, G, pad_id):
+    """This process's rows among the step's first `limit` kept groups, counted round by round
+    and, within a round, process by process (prompt order): dynamic sampling's batch size
+    stays fixed, later groups are left out. kept[r][k]: groups process k kept in round r."""
+    if len(batches) == 1:  # one round never holds more than `limit` groups
+        return batches[0]
+    me, before, keep = rank(), 0, []
+    for rnd, b in zip(kept, batches):
+        mine = min(rnd[me], max(0, limit - before - sum(rnd[:me])))  # groups still in budget
+        keep += [True] * (mine * G) + [False] * (b.size - mine * G)
+        before += sum(rnd)
+    batch = concat_rollout_batches(batches, pad_id)
+    if all(keep):
+        return batch
+    return batch.rows(torch.tensor(keep, dtype=torch.bool, device=batch.input_ids.device))
+
+
+def _with_step_statistics(batch, shares):
+    """`batch` with the statistics fields of every process's share of every round."""
+    parts = [share for rnd in shares for share in rnd]  # round-major, then process order
+    groups = sum(p["groups"] for p in parts)
+    return replace(
+        batch, rewards=torch.cat([p["rewards"] for p in parts]),  # (N_all, G)
+        samples=[s for p in parts for s in p["samples"]],
+        zero_adv_frac=sum(p["zero_groups"] for p in parts) / max(1, groups),
+        num_generated_tokens=sum(p["tokens"] for p in parts))
 
 
 def extra_prompts(examples, step, round_, config):
@@ -605,7 +813,8 @@ def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step
     for group in optimizer.param_groups:
         group["lr"] = lr
     row = {"step": step + 1, "lr": lr, **rollout_metrics(batch, reward_names)}
-    if batch.size:
+    totals = global_totals(batch)  # a process may hold no rows while others do
+    if totals[0]:
         with torch.no_grad():
             ref_logp = old_logp = None
             if ref_model is not None:
@@ -613,7 +822,7 @@ def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step
             if config.inner_epochs > 1:  # the sampling policy's log-probs, computed once
                 old_logp = _logprobs_no_grad(model, batch, config)
         model.train()
-        epochs = [_update(model, optimizer, batch, old_logp, ref_logp, config)
+        epochs = [_update(model, optimizer, batch, old_logp, ref_logp, config, totals)
                   for _ in range(config.inner_epochs)]
         model.eval()
         for k in epochs[0]:
@@ -626,9 +835,9 @@ def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step
                 row[k] = sum(vals) / len(vals)
         if row["skipped"]:
             _print(config, f"step {step + 1}: non-finite loss or gradient, update skipped")
-    else:  # every group had equal rewards: nothing to learn from, no update
+    else:  # every group (of every process) had equal rewards: nothing to learn from
         row.update(loss=0.0, pg_loss=0.0, kl=0.0, skipped=0)
-    t2 = time.time()
+    t2 = time.time()  # this process's own clock: rank 0's times are the ones logged
     row.update(rollout_s=cost["rollout_s"], update_s=t2 - t1, step_time=t2 - cost["t0"],
                sampling_rounds=cost["sampling_rounds"],
                tokens_per_s=batch.num_generated_tokens / max(t2 - cost["t0"], 1e-9),
@@ -645,6 +854,8 @@ def _scorer_tokens(advantage_fn):
 
 def _logprobs_no_grad(model, batch, config):
     """Per-token log-probs (B, Tc) of a whole batch, micro-batched, without gradients."""
+    if not batch.size:  # this process's share kept no group (data-parallel runs)
+        return torch.zeros(batch.completion_mask.shape, device=batch.input_ids.device)
     mbs = config.micro_batch_size or batch.size
     # at the sampling temperature: the distribution the rollouts were drawn from (as TRL does)
     parts = [batch_logprobs(model, batch.slice(s, s + mbs), config.chunk_size, False,

@@ -5,6 +5,11 @@ Every bad value is refused by argparse before anything is written (one line, exi
 numbers outside their range (the rules live next to GRPOConfig), a device this torch cannot
 use, a new run pointed at a directory that holds one, a resume of a run without an intact
 checkpoint.
+
+Started by `torchrun --nproc-per-node N`, the same script trains data-parallel (distributed.py,
+`training.train_grpo`): every process parses the same flags, joins the process group, loads
+the model onto its own device (GPU LOCAL_RANK on CUDA) and trains on its share of each step;
+rank 0 alone writes and prints.
 """
 
 from __future__ import annotations
@@ -22,6 +27,14 @@ import torch
 from .checkpoints import check_new_run_dir, find_checkpoint, read_trainer_state, run_dir_of
 from .datasets import DATASET_NAMES, load_dataset_by_name
 from .device import check_device, device_arg, get_device
+from .distributed import (
+    env_world_size,
+    init_distributed,
+    is_main,
+    run_on_main,
+    shutdown_distributed,
+    world_size,
+)
 from .files import atomic_write_json
 from .grpo import KL_ESTIMATORS, LOSS_TYPES, REWARD_NORMALIZATIONS, SCALE_REWARDS
 from .process import VARIANTS
@@ -239,33 +252,52 @@ def resolve_run(parser, args, argv, run_prefix):
         if data["dataset"] != "arith" and "train_level_weights" not in explicit:
             data["train_level_weights"] = None  # the level mix is the arithmetic world's default
         config = GRPOConfig.from_dict(values)
+        if env_world_size() > config.prompts_per_step:
+            raise ValueError(f"{env_world_size()} processes need --prompts-per-step >= "
+                             f"{env_world_size()} (whole groups per process), got "
+                             f"{config.prompts_per_step}")
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         parser.error(str(err))
     return config, data, source, ckpt
 
 
 def run_cli(argv, description, defaults: GRPOConfig, run_prefix):
-    """Parse flags, load model and data, and run `train_grpo`; returns the summary."""
+    """Parse flags, load model and data, and run `train_grpo` (data-parallel under torchrun);
+    returns the summary."""
     parser = build_parser(description, defaults, run_prefix)
     args = parser.parse_args(argv)
     config, data, model_source, ckpt = resolve_run(parser, args, argv, run_prefix)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = get_device(args.device)
+    try:
+        device = init_distributed(get_device(args.device))  # a no-op without torchrun
+    except ValueError as err:
+        parser.error(str(err))
+    try:
+        return _train_from_cli(args, config, data, model_source, ckpt, device)
+    finally:
+        shutdown_distributed()
+
+
+def _train_from_cli(args, config, data, model_source, ckpt, device):
+    """`run_cli` once the flags are checked and the process group (if any) is joined."""
     model, tokenizer = load_pretrained(model_source, device=device,
                                        dtype=getattr(torch, args.dtype))
     train, held_out = load_grpo_data(data["dataset"], data["train_examples"], data["eval_split"],
                                      config.eval_examples, data.get("train_level_weights"))
-    print(f"model {model_source} on {device}; {len(train)} training problems, {len(held_out)} "
-          f"held-out ({data['dataset']}); run dir {config.output_dir}")
+    if is_main():
+        where = f"{device}" if world_size() == 1 else f"{device.type} x {world_size()} processes"
+        print(f"model {model_source} on {where}; {len(train)} training problems, "
+              f"{len(held_out)} held-out ({data['dataset']}); run dir {config.output_dir}")
     # written only now that model and data loaded (a failed start leaves the directory as it was)
-    atomic_write_json(Path(config.output_dir) / "data.json", data)
+    run_on_main(atomic_write_json, Path(config.output_dir) / "data.json", data)
     try:
         summary = train_grpo(model, tokenizer, train, held_out, device, config,
                              resume_from=ckpt, overwrite=args.overwrite)
     except KeyboardInterrupt:  # the checkpoint is saved and the way on printed: no traceback
         raise SystemExit(130) from None
-    print(json.dumps(summary, indent=2))
+    if is_main():
+        print(json.dumps(summary, indent=2))
     return summary
 
 

@@ -1,5 +1,7 @@
 """Shared fixtures: a tiny random Qwen3 in Hugging Face layout and a reward with signal for it."""
 
+import signal
+
 import pytest
 import torch
 
@@ -7,6 +9,15 @@ from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
 from reasoning_from_scratch.rewards import CompositeReward, RewardTerm
 from reasoning_from_scratch.tiny_world import build_corpus, document_text, train_bpe_tokenizer
 from reasoning_from_scratch.weights import save_pretrained
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_raises():
+    """Every test sees SIGINT raise KeyboardInterrupt, as in a terminal: a shell starts background
+    jobs (`pytest &`) with SIGINT ignored, and the Ctrl-C tests would then wait for nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Tests for the tiny world: BPE tokenizer, corpus, pretraining loop, and the bundled model."""
+"""Tests for the tiny world: BPE tokenizer, corpus, pretraining (`sft.train_sft`), bundled model."""
 
 import math
 from pathlib import Path
@@ -10,17 +10,19 @@ import torch.nn.functional as F
 from reasoning_from_scratch.arithmetic import STYLES, make_split, parse_steps, verify_steps
 from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
+from reasoning_from_scratch.sft import (
+    batch_logits,
+    collate,
+    lr_at,
+    shared_prefix_len,
+    tokenize_documents,
+    train_sft,
+)
 from reasoning_from_scratch.tiny_world import (
     SPECIAL_TOKENS,
-    batch_logits,
     build_corpus,
-    collate,
     document_text,
-    lr_at,
-    pretrain,
-    shared_prefix_len,
     style_distribution,
-    tokenize_documents,
     train_bpe_tokenizer,
 )
 
@@ -134,7 +136,7 @@ def test_lr_schedule():
     assert lr_at(100, 100, 1.0, warmup=10) == pytest.approx(0.1)
 
 
-def test_pretrain_lowers_the_loss(docs, tokenizer):
+def test_train_sft_lowers_the_loss(docs, tokenizer):
     model = _tiny_model(tokenizer.vocab_size)
     pairs = tokenize_documents(docs[:16], tokenizer)
     inputs, targets = collate(pairs, 0)
@@ -145,8 +147,8 @@ def test_pretrain_lowers_the_loss(docs, tokenizer):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100).item()
 
     before = loss()
-    losses = pretrain(model, tokenizer, docs[:16], steps=3, batch_size=16, lr=1e-2, warmup=1,
-                      progress=False)
+    losses = train_sft(model, tokenizer, docs[:16], steps=3, batch_size=16, lr=1e-2, warmup=1,
+                       progress=False)
     assert len(losses) == 3 and not model.training
     assert loss() < before - 0.1
 

@@ -1,0 +1,278 @@
+"""Chapter 9's command line: teacher -> verified traces -> SFT of a student (`run_distill_cli`).
+
+The steps, each written into the run directory so a resumed run redoes none of them:
+1. the teacher: `--teacher` (a local HF directory, a hub id or a checkpoint), or by default the
+   chapter 7 trained model, cached in `--teacher-run-dir` (trained there with chapter 7's
+   defaults the first time, resumed if that run was interrupted);
+2. traces.jsonl: the teacher's solutions to the training problems, kept only when verified
+   (`distillation.generate_distillation_data`), or `--traces FILE` made elsewhere (verified too,
+   unless `--no-verify-traces`);
+3. the student (`--student`, default the bundled base model) fine-tuned on them
+   (`distillation_training.train_distillation`), evaluated greedily before, during and after;
+4. summary.json: student_base_accuracy, student_final_accuracy, teacher_accuracy, wall_seconds
+   and the trace statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+
+from .checkpoints import (
+    check_new_run_dir,
+    checkpoint_problem,
+    find_checkpoint,
+    read_trainer_state,
+    run_contents,
+    run_dir_of,
+)
+from .datasets import DATASET_NAMES
+from .device import check_device, get_device
+from .distillation import filter_traces, generate_distillation_data, read_traces, write_traces
+from .distillation_training import (
+    DISTILL_RULES,
+    DistillConfig,
+    eval_settings,
+    train_distillation,
+)
+from .distributed import refuse_multiple_processes
+from .files import atomic_write_json, read_json
+from .training import GRPOConfig, evaluate_policy
+from .training_cli import add_data_arguments, add_runtime_arguments, load_grpo_data, run_cli
+from .validation import arg_type, non_negative_float, positive_int, probability_float
+from .weights import load_pretrained
+
+TEACHER_RUN_DIR = "runs/ch07-teacher"
+TRACES_FILE = "traces.jsonl"
+DISTILL_HELP = {
+    "steps": "SFT updates of the student",
+    "batch_size": "traces per update",
+    "lr": "peak AdamW learning rate (linear warmup, cosine decay)",
+    "warmup": "updates of linear learning-rate warmup",
+    "weight_decay": "AdamW weight decay of the weight matrices",
+    "grad_clip": "clip the gradient norm to this value",
+    "min_lr_ratio": "the cosine decay ends at lr x this",
+    "val_fraction": "fraction of the traced problems held back for the validation loss",
+    "eval_every": "evaluate every N updates (0: only before and after training)",
+    "eval_examples": "held-out problems evaluated (the first N)",
+    "eval_max_new_tokens": "maximum generated tokens per evaluation answer",
+    "eval_batch_size": "problems per evaluation batch",
+    "checkpoint_every": "save a resumable checkpoint every N updates (0: the final one only, "
+                        "and one on Ctrl-C)",
+    "seed": "seed of the teacher sampling, the trace split and the batch order",
+    "output_dir": "run directory (traces, metrics, checkpoints, summary; None: "
+                  "runs/ch09-<time>)",
+}
+
+
+def add_teacher_arguments(parser) -> None:
+    """--teacher, --teacher-run-dir and --student (chapter 9's scripts)."""
+    parser.add_argument("--teacher", default=None,
+                        help="teacher model: local HF dir, hub id or checkpoint (None: the "
+                             "chapter 7 trained model in --teacher-run-dir, trained there first "
+                             "if missing)")
+    parser.add_argument("--teacher-run-dir", default=TEACHER_RUN_DIR,
+                        help="where the default chapter 7 teacher is trained and cached")
+    parser.add_argument("--student", default="tiny-arith",
+                        help="student model: bundled name, local HF dir or hub id")
+
+
+def build_distill_parser(description: str) -> argparse.ArgumentParser:
+    """Every flag of chapters/ch09_distill.py (defaults shown by --help)."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_teacher_arguments(p)
+    p.add_argument("--traces", default=None,
+                   help="JSONL of traces made elsewhere (problem, answer, completion) to train "
+                        "on instead of sampling the teacher")
+    p.add_argument("--no-verify-traces", dest="verify_traces", action="store_false",
+                   help="train on --traces as they are (default: keep only verified ones)")
+    p.add_argument("--dataset", default="arith", choices=DATASET_NAMES,
+                   help="problems: the teacher solves its training split, the student is "
+                        "evaluated on its held-out split (math: MATH train / MATH-500)")
+    add_data_arguments(p)
+    # 2000 problems x 4 samples: about 1.5 minutes of teacher sampling on one CPU core and ~2000
+    # distinct verified traces; the whole 10k split takes 4x longer for little gain
+    p.set_defaults(train_examples=2000)
+    p.add_argument("--num-samples", type=positive_int, default=4,
+                   help="teacher samples per training problem (rejection sampling)")
+    p.add_argument("--max-per-problem", type=positive_int, default=4,
+                   help="distinct verified traces kept per problem at most")
+    p.add_argument("--no-check-steps", dest="check_steps", action="store_false",
+                   help="keep traces with a right answer even if an arithmetic step is wrong "
+                        "(default: the step verifier must accept every step where one exists)")
+    p.add_argument("--teacher-temperature", type=non_negative_float, default=1.0,
+                   help="teacher sampling temperature")
+    p.add_argument("--teacher-top-p", type=probability_float, default=1.0,
+                   help="teacher nucleus-sampling threshold")
+    p.add_argument("--max-new-tokens", type=positive_int, default=112,
+                   help="maximum tokens of a teacher solution (truncated ones are dropped)")
+    p.add_argument("--prompts-per-batch", type=positive_int, default=64,
+                   help="training problems decoded together when sampling the teacher")
+    defaults = DistillConfig()
+    for f in fields(DistillConfig):
+        if f.name in ("progress", "output_dir"):
+            continue
+        kind = float if isinstance(getattr(defaults, f.name), float) else int
+        p.add_argument("--" + f.name.replace("_", "-"), type=arg_type(kind, DISTILL_RULES[f.name]),
+                       default=getattr(defaults, f.name), help=DISTILL_HELP[f.name])
+    p.add_argument("--output-dir", default=None, help=DISTILL_HELP["output_dir"])
+    p.add_argument("--resume", default=None,
+                   help="run directory to continue exactly (its saved settings are used; "
+                        "--steps, --device and --threads may be given again)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --output-dir")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bars")
+    add_runtime_arguments(p)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype of teacher and student")
+    return p
+
+
+def chapter7_teacher(run_dir=TEACHER_RUN_DIR, threads: int = 1, device=None) -> Path:
+    """The chapter 7 trained model (run_dir/final), trained with chapter 7's defaults if absent.
+
+    An interrupted earlier training is resumed from its checkpoint, not restarted.
+    """
+    run_dir = Path(run_dir)
+    final = run_dir / "final"
+    if final.is_dir() and checkpoint_problem(final) is None \
+            and read_trainer_state(final)["step"] > 0 and (run_dir / "summary.json").is_file():
+        return final
+    argv = ["--output-dir", str(run_dir), "--threads", str(threads)]
+    if device:
+        argv += ["--device", str(device)]
+    if any(name.startswith("checkpoint-") for name in run_contents(run_dir)):
+        argv = ["--resume", str(run_dir), "--threads", str(threads)]
+    elif run_dir.exists():
+        argv.append("--overwrite")
+    what = "continuing its training" if argv[0] == "--resume" else "training it now"
+    print(f"no chapter 7 teacher in {run_dir}: {what} (chapter 7 defaults, "
+          f"python chapters/ch07_train.py {' '.join(argv)})")
+    run_cli(argv, "chapter 7 teacher for distillation", GRPOConfig(), "ch07")
+    return final
+
+
+def _resolve(parser, args, argv):
+    """(config, data settings, checkpoint or None) of a new or resumed run; errors exit 2."""
+    values = {f.name: getattr(args, f.name) for f in fields(DistillConfig)
+              if f.name != "output_dir"}
+    data = {k: getattr(args, k) for k in (
+        "teacher", "teacher_run_dir", "student", "traces", "verify_traces", "dataset",
+        "eval_split", "train_examples", "train_level_weights", "num_samples", "max_per_problem",
+        "check_steps", "teacher_temperature", "teacher_top_p", "max_new_tokens",
+        "prompts_per_batch")}
+    try:
+        if args.device:
+            check_device(args.device)
+        if args.resume:
+            ckpt = find_checkpoint(args.resume)
+            run_dir = run_dir_of(ckpt)
+            saved = read_trainer_state(ckpt)["config"]
+            steps_given = any(a == "--steps" or a.startswith("--steps=") for a in argv or [])
+            values = {**saved, "steps": args.steps if steps_given else saved["steps"],
+                      "progress": args.progress, "output_dir": str(run_dir)}
+            data = read_json(run_dir / "data.json")
+        else:
+            ckpt = None
+            values["output_dir"] = args.output_dir or time.strftime("runs/ch09-%Y%m%d-%H%M%S")
+            if not args.overwrite:
+                check_new_run_dir(values["output_dir"])
+            if args.traces and not Path(args.traces).is_file():
+                raise FileNotFoundError(f"--traces {args.traces}: no such file")
+            if data["dataset"] != "arith":
+                data["train_level_weights"] = None
+        return DistillConfig.from_dict(values), data, ckpt
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        parser.error(str(err))
+
+
+def _traces(data, out, teacher, tokenizer, train, config):
+    """The run's trace records: reused from out/traces.jsonl, read from --traces, or sampled."""
+    path = out / TRACES_FILE
+    if path.is_file():  # a resumed run, or a rerun that only got this far
+        return read_traces(path), data.get("generation")
+    if data["traces"]:
+        records = read_traces(data["traces"], require_answer=data["verify_traces"])
+        if data["verify_traces"]:
+            records = filter_traces(records, data["check_steps"])
+        stats = {"source": data["traces"], "kept": len(records)}
+    else:
+        records, stats = generate_distillation_data(
+            teacher, tokenizer, train, num_samples=data["num_samples"],
+            max_per_problem=data["max_per_problem"], temperature=data["teacher_temperature"],
+            top_p=data["teacher_top_p"], max_new_tokens=data["max_new_tokens"],
+            prompts_per_batch=data["prompts_per_batch"], check_steps=data["check_steps"],
+            seed=config.seed, teacher_name=data["teacher_source"], progress=config.progress)
+    if not records:
+        raise SystemExit("error: no verified traces to train on (try more --num-samples or "
+                         "--no-check-steps)")
+    write_traces(records, path)
+    return records, stats
+
+
+# Why chapter 9 runs in one process (distributed.refuse_multiple_processes says it at start).
+ONE_PROCESS_ONLY = ("data-parallel SFT is not built yet: teacher sampling, the SFT loop and its "
+                    "checkpoints are single-process; the chapter 7 teacher itself can be trained "
+                    "with torchrun chapters/ch07_train.py")
+
+
+def run_distill_cli(argv, description: str) -> dict:
+    """Parse flags, get teacher and traces, distil into the student; returns the summary."""
+    refuse_multiple_processes("ch09_distill.py", ONE_PROCESS_ONLY)
+    parser = build_distill_parser(description)
+    args = parser.parse_args(argv)
+    config, data, ckpt = _resolve(parser, args, argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.time()
+    out = Path(config.output_dir)
+    device = get_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    train, held_out = load_grpo_data(data["dataset"], data["train_examples"], data["eval_split"],
+                                     config.eval_examples, data["train_level_weights"])
+    teacher_source = data.get("teacher_source") or data["teacher"]
+    needs_teacher = not data["traces"] or data["teacher"]
+    if needs_teacher and teacher_source is None:
+        teacher_source = str(chapter7_teacher(data["teacher_run_dir"], args.threads,
+                                              args.device))
+    data["teacher_source"] = teacher_source
+    teacher_accuracy = data.get("teacher_accuracy")
+    teacher = tokenizer = None
+    if teacher_source is not None and (teacher_accuracy is None
+                                       or not (out / TRACES_FILE).is_file()):
+        teacher, tokenizer = load_pretrained(teacher_source, device=device, dtype=dtype)
+        if teacher_accuracy is None:
+            teacher_accuracy = evaluate_policy(teacher, tokenizer, held_out, device,
+                                               eval_settings(config))["accuracy"]
+            print(f"teacher {teacher_source}: held-out accuracy {teacher_accuracy:.3f}")
+    out.mkdir(parents=True, exist_ok=True)
+    records, stats = _traces(data, out, teacher, tokenizer, train, config)
+    data.update(teacher_accuracy=teacher_accuracy, generation=stats)
+    atomic_write_json(out / "data.json", data)
+    del teacher
+    student, student_tok = load_pretrained(ckpt or data["student"], device=device, dtype=dtype)
+    print(f"student {data['student']}: {len(records)} traces; run dir {out}")
+    try:
+        summary = train_distillation(student, student_tok, records, held_out, device, config,
+                                     resume_from=ckpt, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    # wall_seconds: this command's, teacher sampling included (train_distillation's own
+    # summary times the SFT run alone; it stays as sft_wall_seconds)
+    summary = {"student_base_accuracy": summary["base_accuracy"],
+               "student_final_accuracy": summary["final_accuracy"],
+               "teacher_accuracy": teacher_accuracy, "wall_seconds": time.time() - t0,
+               "sft_wall_seconds": summary["wall_seconds"], "teacher": teacher_source,
+               "student": data["student"], "traces": stats, "config": asdict(config),
+               **{k: v for k, v in summary.items() if k != "wall_seconds"}}
+    atomic_write_json(out / "summary.json", summary)
+    print(json.dumps({k: summary[k] for k in ("student_base_accuracy", "student_final_accuracy",
+                                              "teacher_accuracy", "wall_seconds")}, indent=2))
+    return summary

@@ -1,0 +1,250 @@
+"""Data parallelism across processes started by `torchrun`: one process (rank) per GPU or per
+group of CPU cores, each holding the whole model, each sampling and learning from its share of
+a step's prompts.
+
+torchrun starts N copies of a script and tells each who it is through environment variables
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); `init_distributed` joins them into one
+process group (NCCL between CUDA GPUs, Gloo between CPU processes). Without torchrun nothing is
+initialised and every helper here acts as in a group of one (`world_size() == 1`, gathers return
+`[obj]`, reductions return their input), so the training loop runs the same code either way.
+
+What the GRPO loop (training.py) needs, and why each helper exists:
+- `shard_range`: a step's prompts split into contiguous blocks, whole groups per rank, so the
+  group-relative advantages need no communication and concatenating the blocks in rank order
+  gives back the original order (samples, evaluation records).
+- `all_reduce_sum` / `any_rank` / `all_gather_objects`: global loss normalisers (token and
+  completion counts), interrupt agreement, and the step's rewards and samples for the metrics.
+- `all_reduce_grads`: after the local backward passes, each gradient summed over the ranks. The
+  per-rank losses are already divided by the *global* normalisers, so the sum is exactly the
+  gradient of the one-process loss on the whole batch (an average, as DistributedDataParallel
+  does, would be right only with equal shares).
+- `run_on_main`: file writes happen on rank 0 alone; its errors reach every rank, so no rank
+  waits forever in a collective that rank 0 never joins.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+# Gradients are summed in flat buckets of at most this many elements: one collective per bucket
+# instead of one per parameter (hundreds for Qwen3), without a second copy of a large model.
+GRAD_BUCKET_NUMEL = 1 << 24
+
+# What torchrun sets for every worker (see `launched_by_torchrun`).
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is a torchrun worker (its environment names a rank and a group)."""
+    return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+def env_world_size() -> int:
+    """WORLD_SIZE from the environment (1 without torchrun), readable before initialisation."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_distributed() -> bool:
+    """Whether a process group is initialised (a torchrun run, even with one process)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank, 0 .. world_size() - 1 (0 without a process group)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """Number of processes in the group (1 without a process group)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main() -> bool:
+    """Rank 0: the one process that writes files and prints progress."""
+    return rank() == 0
+
+
+def init_distributed(device: torch.device) -> torch.device:
+    """Join torchrun's process group (NCCL on CUDA, Gloo on CPU); returns this rank's device.
+
+    Outside torchrun, or when already initialised, nothing happens and `device` comes back.
+    On CUDA every rank takes GPU LOCAL_RANK of its machine: one process per GPU.
+    """
+    device = torch.device(device)
+    if not launched_by_torchrun() or is_distributed():
+        return device
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"data-parallel runs need CUDA or CPU processes, not {device.type} "
+                         "(torch.distributed has no backend for it)")
+    local = int(os.environ["LOCAL_RANK"])
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", local)
+        elif env_world_size() > 1 and device.index != local:
+            raise ValueError(f"--device {device}: under torchrun each process takes GPU "
+                             "LOCAL_RANK; pass --device cuda (choose GPUs with "
+                             "CUDA_VISIBLE_DEVICES)")
+        torch.cuda.set_device(device)  # NCCL and the object collectives use the current GPU
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group (if any), so the process exits without a warning."""
+    if is_distributed():
+        dist.destroy_process_group()
+
+
+def refuse_multiple_processes(script: str, why: str) -> None:
+    """Raise SystemExit when started by torchrun with more than one process (before any work)."""
+    if env_world_size() > 1:
+        raise SystemExit(f"{script} runs in one process only ({why}); start it with python, "
+                         "not torchrun")
+
+
+def _comm_device() -> torch.device:
+    """Where collective tensors live: the current GPU for NCCL, the CPU for Gloo."""
+    if is_distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    """Wait until every rank gets here (e.g. until rank 0 has written a checkpoint)."""
+    if world_size() > 1:
+        dist.barrier()
+
+
+def shard_range(n: int, rank_: int | None = None, world: int | None = None) -> tuple[int, int]:
+    """[start, stop) of this rank's contiguous share of n items (shares differ by at most 1)."""
+    r = rank() if rank_ is None else rank_
+    w = world_size() if world is None else world
+    return r * n // w, (r + 1) * n // w
+
+
+def shard(items: Sequence, rank_: int | None = None, world: int | None = None) -> list:
+    """This rank's contiguous share of `items` (`shard_range`); all of them in a group of one."""
+    start, stop = shard_range(len(items), rank_, world)
+    return list(items[start:stop])
+
+
+def all_gather_objects(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank (any picklable object)."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_lists(items: list) -> list:
+    """Every rank's list, concatenated in rank order (the inverse of `shard`), on every rank."""
+    return [x for part in all_gather_objects(list(items)) for x in part]
+
+
+def gather_groups(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(every rank's x concatenated along dim 0, where this rank's rows start): the groups of a
+    whole batch, for statistics over all of them (GRPO's batch-std scaling, GDPO)."""
+    if world_size() == 1:
+        return x, 0
+    parts = all_gather_objects(x.detach().cpu())
+    start = sum(p.shape[0] for p in parts[:rank()])
+    return torch.cat(parts).to(x.device), start
+
+
+def _all_reduce(values: Sequence[float], op: str) -> list[float]:
+    """A float64 all-reduce ("sum" or "max") of a few numbers (exact for counts below 2**53)."""
+    if world_size() == 1:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def all_reduce_sum(values: Sequence[float]) -> list[float]:
+    """Each value summed over the ranks (token counts, loss statistics)."""
+    return _all_reduce(values, "sum")
+
+
+def all_reduce_max(values: Sequence[float]) -> list[float]:
+    """Each value's maximum over the ranks."""
+    return _all_reduce(values, "max")
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (e.g. Ctrl-C reached one of them)."""
+    return all_reduce_max([float(bool(flag))])[0] > 0
+
+
+def all_ranks(flag: bool) -> bool:
+    """True on every rank only if `flag` is true on all of them (e.g. every loss finite)."""
+    return not any_rank(not flag)
+
+
+def _buckets(params: list, limit: int) -> list[list]:
+    """Consecutive parameters grouped into buckets of one dtype and at most `limit` elements."""
+    out, size = [], 0
+    for p in params:
+        if not out or size + p.numel() > limit or p.grad.dtype != out[-1][0].grad.dtype:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.numel()
+    return out
+
+
+def all_reduce_grads(params, bucket_numel: int = GRAD_BUCKET_NUMEL) -> None:
+    """Sum every gradient over the ranks, in place; a parameter no rank has a gradient for keeps
+    `grad is None` (AdamW then skips it, as it does in a one-process run)."""
+    params = [p for p in params if p.requires_grad]
+    if world_size() == 1 or not params:
+        return
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
+                       device=_comm_device())
+    dist.all_reduce(has, op=dist.ReduceOp.MAX)  # a rank without rows has no gradients at all
+    live = [p for p, h in zip(params, has.tolist()) if h]
+    for p in live:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for bucket in _buckets(live, bucket_numel):
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # (sum of numels,)
+        dist.all_reduce(flat)
+        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+            p.grad.copy_(g.view_as(p.grad))
+
+
+def params_checksum(params) -> float:
+    """Sum of every parameter in float64: a cheap fingerprint to compare weights across ranks."""
+    return float(sum(p.detach().double().sum() for p in params))
+
+
+def check_same_on_all_ranks(value: float, what: str) -> None:
+    """Raise RuntimeError on every rank if `value` differs between ranks (diverged replicas)."""
+    values = all_gather_objects(value)
+    if any(v != values[0] for v in values):
+        raise RuntimeError(f"{what} differs between ranks: {values}")
+
+
+def run_on_main(fn: Callable, *args, **kwargs):
+    """fn(*args, **kwargs) on rank 0 only; every rank returns its result, or raises its error.
+
+    For file writes: if rank 0 fails (a run directory in use, a full disk), the other ranks
+    raise the same exception instead of waiting for rank 0 in the next collective.
+    """
+    if world_size() == 1:
+        return fn(*args, **kwargs)
+    box = [None]
+    if is_main():
+        try:
+            box[0] = ("ok", fn(*args, **kwargs))
+        except Exception as err:  # sent to the other ranks, then raised here too
+            box[0] = ("error", err)
+    dist.broadcast_object_list(box, src=0, device=_comm_device())
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
