@@ -80,7 +80,7 @@ from .distillation_experiment import (
     teacher_figures,
     write_distill_table,
 )
-from .distillation_training import DistillConfig, eval_settings, split_traces, train_distillation
+from .distillation_training import DistillConfig, split_traces, train_distillation
 from .distributed import (
     all_gather_objects,
     all_ranks,
@@ -107,7 +107,9 @@ from .distributed import (
     world_size,
 )
 from .evaluation import (
+    EVAL_FIGURES,
     evaluate,
+    evaluate_policy,
     has_think_format,
     per_level_accuracy,
     reasoning_stats,
@@ -281,7 +283,15 @@ from .rewards import (
     make_format_reward,
     reward_format,
 )
-from .run_log import MetricsLog, append_samples, format_cell, read_metrics, truncate_samples
+from .run_log import (
+    EVAL_COLUMNS,
+    MetricsLog,
+    append_samples,
+    eval_cells,
+    format_cell,
+    read_metrics,
+    truncate_samples,
+)
 from .search import (
     Beam,
     StepProposal,
@@ -333,7 +343,6 @@ from .tiny_world import (
 from .tokenizer import END_THINK_TOKEN_ID, THINK_TOKEN_ID, Qwen3Tokenizer, pad_id_of, render_chat
 from .training import (
     GRPOConfig,
-    evaluate_policy,
     extra_prompts,
     global_totals,
     lr_at_step,
@@ -401,6 +410,8 @@ __all__ = [
     "DataSource",
     "DistillConfig",
     "END_THINK_TOKEN_ID",
+    "EVAL_COLUMNS",
+    "EVAL_FIGURES",
     "FeedForward",
     "ForwardStepScorer",
     "GRPOConfig",
@@ -508,7 +519,7 @@ __all__ = [
     "download_from_hub",
     "encode_steps",
     "env_world_size",
-    "eval_settings",
+    "eval_cells",
     "evaluate",
     "evaluate_policy",
     "evaluate_prm",

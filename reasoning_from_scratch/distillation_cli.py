@@ -37,12 +37,12 @@ from .distillation import filter_traces, generate_distillation_data, read_traces
 from .distillation_training import (
     DISTILL_RULES,
     DistillConfig,
-    eval_settings,
     train_distillation,
 )
 from .distributed import refuse_multiple_processes
+from .evaluation import evaluate_policy
 from .files import atomic_write_json, read_json
-from .training import GRPOConfig, evaluate_policy
+from .training import GRPOConfig
 from .training_cli import add_data_arguments, add_runtime_arguments, load_grpo_data, run_cli
 from .validation import arg_type, non_negative_float, positive_int, probability_float
 from .weights import load_pretrained
@@ -249,8 +249,9 @@ def run_distill_cli(argv, description: str) -> dict:
                                        or not (out / TRACES_FILE).is_file()):
         teacher, tokenizer = load_pretrained(teacher_source, device=device, dtype=dtype)
         if teacher_accuracy is None:
-            teacher_accuracy = evaluate_policy(teacher, tokenizer, held_out, device,
-                                               eval_settings(config))["accuracy"]
+            teacher_accuracy = evaluate_policy(
+                teacher, tokenizer, held_out, device, config.eval_max_new_tokens,
+                config.eval_batch_size)["accuracy"]
             print(f"teacher {teacher_source}: held-out accuracy {teacher_accuracy:.3f}")
     out.mkdir(parents=True, exist_ok=True)
     records, stats = _traces(data, out, teacher, tokenizer, train, config)

@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 
 from .distillation import generate_distillation_data, read_traces, write_traces
 from .distillation_training import DistillConfig, train_distillation
+from .evaluation import evaluate_policy
 from .experiments import (
     SETTINGS_FILE,
     format_pm,
@@ -41,7 +42,7 @@ from .experiments import (
 )
 from .files import atomic_write_json, read_json
 from .run_log import read_metrics
-from .training import GRPOConfig, evaluate_policy, train_grpo
+from .training import GRPOConfig, train_grpo
 from .weights import load_pretrained
 
 EXPERIMENT_ARMS = ("distill", "self_distill", "grpo")
@@ -291,8 +292,7 @@ def run_distill_vs_rl(student, tokenizer, train, held_out, device, teacher_sourc
     if base_path.is_file() and read_json(base_path)["settings"] == base_settings:
         base = read_json(base_path)["figures"]
     else:
-        base = evaluate_policy(student, tokenizer, held_out, device,
-                               grpo_config(settings, 0, out))
+        base = evaluate_policy(student, tokenizer, held_out, device, settings["max_new_tokens"])
         atomic_write_json(base_path, jsonable({"settings": base_settings, "figures": base}))
     log(f"student base model: accuracy {format_value(base['accuracy'])}")
     results = {arm: {} for arm in EXPERIMENT_ARMS}

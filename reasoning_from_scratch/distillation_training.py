@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from types import SimpleNamespace
 
 from tqdm import tqdm
 
@@ -28,18 +27,19 @@ from .checkpoints import (
     save_checkpoint,
 )
 from .distillation import traces_to_documents
+from .evaluation import EVAL_FIGURES, evaluate_policy
 from .files import atomic_write_json
 from .interrupts import defer_interrupts
 from .plotting import plot_grpo_metrics
 from .prompts import render_prompt
-from .run_log import MetricsLog
+from .run_log import EVAL_COLUMNS, MetricsLog, eval_cells
 from .sft import make_sft_optimizer, mean_completion_loss, train_sft
-from .training import EVAL_COLUMNS, EVAL_FIGURES, evaluate_policy
 from .validation import at_least, check, in_range, non_negative, positive
 
 DISTILL_COLUMNS = ["step", "loss", "lr", "tokens", "step_s", "train_s", "val_loss",
                    *EVAL_COLUMNS.values()]
 DISTILL_PLOT_COLUMNS = ["loss", "val_loss", "eval_accuracy", "eval_step_correctness"]
+DISTILL_EVAL_COLUMNS = {**EVAL_COLUMNS, "val_loss": "val_loss"}  # figure -> metrics.csv column
 
 DISTILL_RULES = {
     "steps": at_least(1), "batch_size": at_least(1), "lr": positive, "warmup": non_negative,
@@ -88,13 +88,6 @@ class DistillConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-def eval_settings(config: DistillConfig) -> SimpleNamespace:
-    """The evaluation settings `training.evaluate_policy` reads, from a DistillConfig."""
-    return SimpleNamespace(eval_max_new_tokens=config.eval_max_new_tokens,
-                           max_new_tokens=config.eval_max_new_tokens,
-                           eval_batch_size=config.eval_batch_size)
-
-
 def split_traces(records, val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
     """(train, validation) traces, split by problem so no validation problem is trained on."""
     problems = sorted({r["problem"] for r in records})
@@ -127,13 +120,6 @@ class _DistillRun:
         )
 
 
-def _eval_cells(figures):
-    """metrics.csv cells of an evaluation."""
-    cells = {col: figures.get(k) for k, col in EVAL_COLUMNS.items()}
-    cells["val_loss"] = figures.get("val_loss")
-    return {k: v for k, v in cells.items() if v is not None}
-
-
 def train_distillation(student, tokenizer, records, eval_examples, device, config: DistillConfig,
                        resume_from=None, overwrite=False, base_evaluation: dict | None = None,
                        prompt_fn=render_prompt,
@@ -142,7 +128,7 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
 
     The loss covers the completion tokens only (`sft.collate`). Evaluations (base, every
     `eval_every` updates, final) measure the validation loss on the held-back traces and the
-    greedy figures of `training.evaluate_policy` on `eval_examples`. resume_from: a run or
+    greedy figures of `evaluation.evaluate_policy` on `eval_examples`. resume_from: a run or
     checkpoint directory to continue exactly; a new run refuses a used output_dir unless
     `overwrite`. phase_hook(phase, step) as in `train_grpo` ("base_eval", "update", "eval",
     "checkpoint", "final_eval", "final_save").
@@ -161,8 +147,8 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
     eval_set = list(eval_examples)[:config.eval_examples]
 
     def evaluate_now():
-        figures = evaluate_policy(student, tokenizer, eval_set, device, eval_settings(config),
-                                  prompt_fn)
+        figures = evaluate_policy(student, tokenizer, eval_set, device,
+                                  config.eval_max_new_tokens, config.eval_batch_size, prompt_fn)
         figures["val_loss"] = (mean_completion_loss(student, tokenizer, val_docs)
                                if val_docs else None)
         return figures
@@ -188,7 +174,7 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
         figures = evaluate_now()
         with defer_interrupts():
             run.last_eval, run.eval_pending = figures, False
-            log.patch_last_row(_eval_cells(figures))
+            log.patch_last_row(eval_cells(figures, DISTILL_EVAL_COLUMNS))
 
     def on_update(k, stats):
         hook("update", k)
@@ -226,7 +212,7 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
         with defer_interrupts():
             hook("final_save", run.completed)
             run.last_eval = final
-            log.patch_last_row(_eval_cells(final))
+            log.patch_last_row(eval_cells(final, DISTILL_EVAL_COLUMNS))
             run.checkpoint("final")
             summary = _summary(run, final, len(train_recs), len(val_recs), len(eval_set),
                                time.time() - t_start)

@@ -14,9 +14,15 @@ import torch
 from tqdm import tqdm
 
 from .arithmetic import classify_carry_steps, parse_problem, parse_steps, verify_steps
+from .distributed import gather_lists, shard
 from .generation import generate_batch
 from .grading import extract_final_candidate, grade_answer
 from .prompts import render_prompt
+
+# The held-out figures of every evaluation (evaluation.evaluate's summary keys); summary.json has
+# base_<name> and final_<name> for each.
+EVAL_FIGURES = ("accuracy", "format_rate", "think_accuracy", "step_correctness",
+                "right_answer_wrong_step", "carry_step_correctness")
 
 
 def has_think_format(text):
@@ -210,3 +216,19 @@ def evaluate(
     if jsonl_path is not None:
         write_jsonl(records, jsonl_path)
     return summary
+
+
+def evaluate_policy(model, tokenizer, examples, device, max_new_tokens: int,
+                    batch_size: int = 50, prompt_fn=render_prompt) -> dict:
+    """Greedy held-out figures (`EVAL_FIGURES`) and accuracy per level, as a training run logs
+    them (GRPO, distillation).
+
+    Data-parallel runs: every process answers a contiguous share of `examples` and the answers
+    are gathered (in the examples' order) before the figures are computed, on every process.
+    """
+    res = evaluate(model, tokenizer, shard(examples), device, max_new_tokens=max_new_tokens,
+                   batch_size=batch_size, prompt_fn=prompt_fn, progress=False)
+    figures = summarize(gather_lists(res["records"]), res["generation_s"])
+    # str keys: the same dict before and after a JSON round trip (checkpoints, summary.json)
+    return {**{k: figures[k] for k in EVAL_FIGURES},
+            "per_level": {str(k): v for k, v in figures["per_level"].items()}}

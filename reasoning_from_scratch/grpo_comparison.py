@@ -34,6 +34,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from .evaluation import evaluate_policy
 from .experiments import (
     SETTINGS_FILE,
     format_pm,
@@ -46,7 +47,7 @@ from .experiments import (
 )
 from .files import atomic_write_json
 from .run_log import read_metrics
-from .training import CHAPTER6_RECIPE, GRPOConfig, evaluate_policy, train_grpo
+from .training import CHAPTER6_RECIPE, GRPOConfig, train_grpo
 
 # The shared settings of every arm (GRPOConfig overrides): 60 steps x 8 prompts x 8 rollouts.
 COMPARISON_DEFAULTS = dict(steps=60, prompts_per_step=8, num_rollouts=8, eval_every=0,
@@ -100,7 +101,8 @@ def _base_figures(model, tokenizer, held_out, device, config, data, out: Path):
         saved = json.loads(path.read_text())
         if saved.get("settings") == settings:
             return saved["figures"]
-    figures = evaluate_policy(model, tokenizer, held_out[:config.eval_examples], device, config)
+    figures = evaluate_policy(model, tokenizer, held_out[:config.eval_examples], device,
+                              config.eval_tokens, config.eval_batch_size)
     atomic_write_json(path, {"settings": settings, "figures": jsonable(figures)})
     return figures
 

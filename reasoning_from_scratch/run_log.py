@@ -14,6 +14,16 @@ from pathlib import Path
 
 from .files import atomic_write_text
 
+# evaluation figure -> metrics.csv column (filled at evaluation steps only; GRPO and distillation)
+EVAL_COLUMNS = {"accuracy": "eval_accuracy", "format_rate": "eval_format_rate",
+                "think_accuracy": "eval_think_accuracy",
+                "step_correctness": "eval_step_correctness"}
+
+
+def eval_cells(figures: dict, columns: dict = EVAL_COLUMNS) -> dict:
+    """The metrics.csv cells of an evaluation's figures ({figure: column}); None stays empty."""
+    return {col: figures[k] for k, col in columns.items() if figures.get(k) is not None}
+
 
 def format_cell(v):
     """CSV cell: floats with 6 significant digits, None empty, the rest as is."""

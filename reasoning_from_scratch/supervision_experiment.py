@@ -68,6 +68,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from .device import get_device
+from .evaluation import evaluate_policy
 from .experiments import (
     SETTINGS_FILE,
     format_pm,
@@ -81,7 +82,7 @@ from .experiments import format_value as _opt  # short: the table lines are long
 from .files import atomic_write_json
 from .prm import train_prm_on_arithmetic
 from .run_log import read_metrics
-from .training import GRPOConfig, evaluate_policy, train_grpo
+from .training import GRPOConfig, train_grpo
 from .training_cli import load_grpo_data
 from .weights import load_pretrained
 
@@ -195,7 +196,8 @@ def _checkpoint_points(run_dir, config, tokenizer, held_out, device, summary):
             model, _ = load_pretrained(run_dir / f"checkpoint-{step}", device=device,
                                        dtype=torch.float32)
             cache[str(step)] = evaluate_policy(model, tokenizer, held_out[:config.eval_examples],
-                                               device, config)
+                                               device, config.eval_tokens,
+                                               config.eval_batch_size)
             atomic_write_json(cache_file, cache)
         points.append(_make_point(step, costs, cache[str(step)]))
     final = {k: summary[f"final_{k}"] for k in METRICS}
@@ -240,7 +242,7 @@ def _base_figures(base_model, tokenizer, held_out, device, config, args, out):
         if saved.get("settings") == settings:
             return saved["figures"]
     figures = evaluate_policy(base_model, tokenizer, held_out[:config.eval_examples], device,
-                              config)
+                              config.eval_tokens, config.eval_batch_size)
     atomic_write_json(path, {"settings": settings, "figures": jsonable(figures)})
     return figures
 

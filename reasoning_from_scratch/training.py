@@ -56,16 +56,14 @@ from .distributed import (
     barrier,
     check_same_on_all_ranks,
     gather_groups,
-    gather_lists,
     is_main,
     params_checksum,
     rank,
     run_on_main,
-    shard,
     shard_range,
     world_size,
 )
-from .evaluation import evaluate, summarize
+from .evaluation import EVAL_FIGURES, evaluate_policy
 from .files import atomic_write_json
 from .grpo import (
     KL_ESTIMATORS,
@@ -84,7 +82,7 @@ from .plotting import plot_grpo_metrics
 from .process_supervision import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
-from .run_log import MetricsLog, append_samples, truncate_samples
+from .run_log import MetricsLog, append_samples, eval_cells, truncate_samples
 from .tokenizer import pad_id_of
 from .validation import (
     at_least,
@@ -107,14 +105,6 @@ METRIC_COLUMNS = [
     "eval_accuracy", "eval_format_rate", "eval_think_accuracy",
     "eval_step_correctness",
 ]
-# The held-out figures of every evaluation (evaluation.evaluate's summary keys); summary.json has
-# base_<name> and final_<name> for each.
-EVAL_FIGURES = ("accuracy", "format_rate", "think_accuracy", "step_correctness",
-                "right_answer_wrong_step", "carry_step_correctness")
-# evaluation figure -> metrics.csv column (filled at evaluation steps only)
-EVAL_COLUMNS = {"accuracy": "eval_accuracy", "format_rate": "eval_format_rate",
-                "think_accuracy": "eval_think_accuracy",
-                "step_correctness": "eval_step_correctness"}
 # Columns that measure time: they differ between two otherwise identical runs.
 TIMING_COLUMNS = ("tokens_per_s", "rollout_s", "update_s", "step_time")
 # Not "loss": with one update per batch it is ~0 by construction (ratio 1, advantages of mean 0).
@@ -236,6 +226,11 @@ class GRPOConfig:
                              f"got {self.supervision!r}")
         for name, rule in CONFIG_RULES.items():
             check(name, getattr(self, name), rule)
+
+    @property
+    def eval_tokens(self) -> int:
+        """Answer budget of the held-out evaluations (eval_max_new_tokens, else max_new_tokens)."""
+        return self.eval_max_new_tokens or self.max_new_tokens
 
     @classmethod
     def from_dict(cls, d: dict) -> GRPOConfig:
@@ -421,27 +416,6 @@ def _params_finite(model) -> bool:
 # The loop
 # ----------------------------------------------------------------------------------------------
 
-def evaluate_policy(model, tokenizer, examples, device, config, prompt_fn=render_prompt):
-    """Greedy held-out figures: strict accuracy, think-format rate, accuracy among think answers,
-    verifier step correctness, right answer with a wrong step, accuracy per level.
-
-    Data-parallel runs: every process answers a contiguous share of `examples` and the answers
-    are gathered (in the examples' order) before the figures are computed, on every process.
-    """
-    res = evaluate(model, tokenizer, shard(examples), device,
-                   max_new_tokens=config.eval_max_new_tokens or config.max_new_tokens,
-                   batch_size=config.eval_batch_size, prompt_fn=prompt_fn, progress=False)
-    figures = summarize(gather_lists(res["records"]), res["generation_s"])
-    # str keys: the same dict before and after a JSON round trip (checkpoints, summary.json)
-    return {**{k: figures[k] for k in EVAL_FIGURES},
-            "per_level": {str(k): v for k, v in figures["per_level"].items()}}
-
-
-def _eval_row(figures):
-    """The metrics.csv cells of an evaluation (None figures stay empty)."""
-    return {col: figures[k] for k, col in EVAL_COLUMNS.items() if figures.get(k) is not None}
-
-
 class _Run:
     """The mutable state of a run that a checkpoint must capture, and its file writer.
 
@@ -487,7 +461,7 @@ class _Run:
     def log_eval(self, figures):
         """Rank 0: an evaluation's figures into the last metrics row."""
         if self.main:
-            self.log.patch_last_row(_eval_row(figures))
+            self.log.patch_last_row(eval_cells(figures))
 
     def checkpoint(self, name=None):
         """Save `checkpoint-<completed>` (or `name`), unless this exact state is saved already;
@@ -574,7 +548,8 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     ref_model = _reference_model(model, tokenizer, out, config, resumed=resume_from is not None)
 
     def evaluate_now():
-        return evaluate_policy(model, tokenizer, eval_set, device, config, prompt_fn)
+        return evaluate_policy(model, tokenizer, eval_set, device, config.eval_tokens,
+                               config.eval_batch_size, prompt_fn)
 
     bar = tqdm(total=config.steps, initial=run.completed, desc="grpo",
                disable=not config.progress)
