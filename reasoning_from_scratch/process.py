@@ -51,7 +51,10 @@ STEP_TAG_PATTERN = r"(?<![A-Za-z])[Ss]tep[ \t]*\d+[ \t]*:"
 ANSWER_PATTERNS = (r"</think>", r"\\boxed\{")
 
 SPLIT_MODES = ("tags", "blank_lines", "newlines", "regex")
-VARIANTS = ("sum", "process+outcome", "min", "position")
+#: Forms added to the outcome advantage: token t of completion i gets
+#: `A_outcome_i + alpha * credit_{i,k(t)}`, k(t) the step that owns t (`anchored_credit`).
+ANCHORED_VARIANTS = ("first-error", "progress", "clip", "delta", "pure", "value-delta")
+VARIANTS = ("sum", "process+outcome", "min", "position", *ANCHORED_VARIANTS)
 
 _NEWLINE = re.compile(r"\r\n|\n|\r")
 _BLANK_LINES = re.compile(r"(?:\r\n|\n|\r)(?:[ \t]*(?:\r\n|\n|\r))+")
@@ -344,6 +347,9 @@ def process_advantages(
     variant: str = "sum",
     outcome_advantages: Sequence[float] | torch.Tensor | None = None,
     eps: float = 1e-4,
+    alpha: float = 1.0,
+    threshold: float = 0.5,
+    eta: float = 0.5,
 ) -> torch.Tensor:
     """Token-level process advantages `(G, max(completion_lengths))` for one group of rollouts.
 
@@ -369,11 +375,23 @@ def process_advantages(
       come and adding more steps cannot raise it (against step-count reward hacking).
     - `"position"`: the suffix sum of rewards normalised per step position (step j of every
       completion pooled only with the step j of the others).
+    - the outcome-anchored forms `ANCHORED_VARIANTS` (first-error, progress, clip, delta, pure,
+      value-delta; formulas in `anchored_credit`): token t of completion i gets
+      `outcome_advantages[i] + alpha * credit_{i,k(t)}` on raw (not pooled) step rewards, with
+      `threshold` deciding a correct step and `eta` the clip form's threshold. The outcome term
+      is needed (GRPO-VPS, arXiv 2604.20659; VPPO, arXiv 2601.18984); only `"pure"` runs without
+      it (`outcome_advantages=None`: PURE gives verifiable rewards to a share of prompts only).
     """
     if variant not in VARIANTS:
         raise ValueError(f"process_advantages: unknown variant {variant!r}; expected {VARIANTS}")
     lengths = _validate(step_rewards, step_ends, completion_lengths)
     G, T = len(lengths), max(lengths)
+    if variant in ANCHORED_VARIANTS:
+        credit = anchored_credit(step_rewards, variant, threshold, eta, eps=eps)
+        adv = _expand_steps(credit, step_ends, lengths, T) * alpha  # (G, T)
+        if outcome_advantages is None and variant == "pure":
+            return adv
+        return adv + _outcome_tokens(outcome_advantages, lengths, T, variant)
     pool = "position" if variant == "position" else "group"
     normed = _normalized_rewards(step_rewards, pool, eps)
     adv = torch.zeros(G, T, dtype=torch.float32)  # (G, T)
@@ -390,16 +408,169 @@ def process_advantages(
         step_len = torch.diff(es_t, prepend=torch.tensor([-1]))  # tokens per step
         adv[i, :n] = torch.repeat_interleave(credit, step_len)
     if variant == "process+outcome":
-        if outcome_advantages is None:
-            raise ValueError("process_advantages(variant='process+outcome') needs "
-                             "outcome_advantages (G,)")
-        oa = torch.as_tensor(outcome_advantages, dtype=torch.float32).reshape(-1)
-        if oa.numel() != G:
-            raise ValueError(f"process_advantages: outcome_advantages has {oa.numel()} values, "
-                             f"expected G = {G}")
-        mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # (G, T)
-        adv = adv + oa[:, None] * mask
+        adv = adv + _outcome_tokens(outcome_advantages, lengths, T, variant)
     return adv
+
+
+def _expand_steps(credit, step_ends, lengths, T) -> torch.Tensor:
+    """`(G, T)`: every token gets the credit of the step that owns it; 0 past its length."""
+    adv = torch.zeros(len(lengths), T, dtype=torch.float32)
+    for i, (cr, es, n) in enumerate(zip(credit, step_ends, lengths)):
+        if n == 0:
+            continue
+        step_len = torch.diff(torch.tensor([int(e) for e in es]), prepend=torch.tensor([-1]))
+        adv[i, :n] = torch.repeat_interleave(torch.tensor(cr, dtype=torch.float32), step_len)
+    return adv
+
+
+def _outcome_tokens(outcome_advantages, lengths, T, variant) -> torch.Tensor:
+    """`(G, T)`: completion i's outcome advantage on each of its tokens."""
+    if outcome_advantages is None:
+        raise ValueError(f"process_advantages(variant={variant!r}) needs outcome_advantages (G,)")
+    G = len(lengths)
+    oa = torch.as_tensor(outcome_advantages, dtype=torch.float32).reshape(-1)
+    if oa.numel() != G:
+        raise ValueError(f"process_advantages: outcome_advantages has {oa.numel()} values, "
+                         f"expected G = {G}")
+    mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # (G, T)
+    return oa[:, None] * mask
+
+
+# ----------------------------------------------------------------------------------------------
+# 3b. Outcome-anchored step credit: bounded forms, progress and value differences
+# ----------------------------------------------------------------------------------------------
+
+
+def prefix_correct(step_rewards: Sequence[Sequence[float]], threshold: float = 0.5):
+    """`c_{i,k} = min_{j<=k} 1[s_{i,j} >= threshold]`: 1 while every step so far is correct."""
+    out = []
+    for rs in step_rewards:
+        c, ok = [], 1.0
+        for r in rs:
+            ok = ok if float(r) >= threshold else 0.0
+            c.append(ok)
+        out.append(c)
+    return out
+
+
+def _first_error_credit(step_rewards, threshold):
+    """`d_{i,k} = c_{i,k} - c_{i,k-1}` (c_{i,0} = 1): -1 on the first wrong step, else 0."""
+    out = []
+    for c in prefix_correct(step_rewards, threshold):
+        out.append([ck - cp for cp, ck in zip([1.0, *c[:-1]], c)])
+    return out
+
+
+def progress_state_values(correct: Sequence[Sequence[float]]) -> list[float]:
+    """`V_k`, k = 0..K: mean correct steps still to come, over the group's completions whose
+    first k steps are all correct (`correct` from `prefix_correct`); 0 where none is.
+
+    In a chain problem every completion with k correct steps is in the same state (the same
+    running value), so the G rollouts of one prompt are Monte-Carlo samples of that state's
+    value, as the branches of a tree rollout are (TreeRPO, arXiv 2506.05183), at no extra cost.
+    A completion that ends after its k-th step counts with 0 steps to come.
+    """
+    K = max((len(c) for c in correct), default=0)
+    values = []
+    for k in range(K + 1):
+        members = [c for c in correct if k == 0 or (len(c) >= k and c[k - 1] > 0)]
+        togo = [sum(c[k:]) for c in members]
+        values.append(sum(togo) / len(togo) if togo else 0.0)
+    return values
+
+
+def _progress_credit(step_rewards, threshold, eps):
+    """Temporal-difference credit of verified steps against the group's state values.
+
+    Step k of completion i, while its prefix is correct: `c_{i,k} + c_{i,k} V_k - V_{k-1}`
+    (reward 1 for a correct step, plus the value of the state it reaches, minus the value of the
+    state it starts from); 0 after the first wrong step. Divided by the group's (unbiased) std of
+    the completions' correct-step counts `M_i`, so the credits of a completion sum to
+    `(M_i - mean M) / (std M + eps)`: a group-normalised progress score, placed on the steps
+    where the completions part ways.
+    """
+    correct = prefix_correct(step_rewards, threshold)
+    totals = torch.tensor([sum(c) for c in correct], dtype=torch.float32)  # M_i, (G,)
+    if totals.numel() < 2 or bool((totals == totals[0]).all()):
+        return [[0.0] * len(c) for c in correct]
+    scale = float(totals.std()) + eps
+    values = progress_state_values(correct)
+    out = []
+    for c in correct:
+        credit, on_path = [], True
+        for k, ck in enumerate(c, start=1):
+            credit.append((ck + ck * values[k] - values[k - 1]) / scale if on_path else 0.0)
+            on_path = on_path and ck > 0
+        out.append(credit)
+    return out
+
+
+def _suffix(values: list[float], op) -> list[float]:
+    """Suffix reduction: out[k] = op(values[k:])."""
+    out, acc = [], None
+    for v in reversed(values):
+        acc = v if acc is None else op(v, acc)
+        out.append(acc)
+    return out[::-1]
+
+
+def _centred(returns):
+    """Returns minus the group's mean whole-completion return (the first step's; RLOO-style)."""
+    firsts = [r[0] for r in returns if r]
+    base = sum(firsts) / len(firsts) if firsts else 0.0
+    return [[x - base for x in r] for r in returns]
+
+
+def anchored_credit(
+    step_rewards: Sequence[Sequence[float]],
+    variant: str,
+    threshold: float = 0.5,
+    eta: float = 0.5,
+    prompt_value: float | None = None,
+    eps: float = 1e-4,
+) -> list[list[float]]:
+    """Per-step credit of the outcome-anchored forms, one list per completion (before alpha).
+
+    - `"first-error"`: `d_{i,k} = c_{i,k} - c_{i,k-1}` with `c_{i,k} = min_{j<=k} s_{i,j}`
+      (prefix still correct): -1 on the first wrong step, 0 elsewhere (Lightman et al. 2023,
+      arXiv 2305.20050 first-error labels; VPPO, arXiv 2601.18984: penalise from the first
+      wrong step, keep the good prefix).
+    - `"progress"`: `_progress_credit`, the temporal-difference credit of verified steps with
+      state values estimated by the group (Setlur et al. 2024, arXiv 2410.08146, progress;
+      VinePPO / SPO / TreeRPO, value differences). Bounded, zero for equal groups, and a
+      completion whose steps are missing or unverified scores 0 correct steps, never more than
+      one that shows them.
+    - `"clip"`: Gao et al. 2024 (arXiv 2410.15115) clip form: step rewards `min(r_k - eta, 0)`
+      summed over the steps still to come, `sum_{j>=k} min(r_j - eta, 0)`, minus the group's
+      mean whole-completion return. Never positive before centring, so more steps cannot pay.
+    - `"delta"`: Gao et al. delta form: step rewards `r_k - r_{k+1}` (the last: `r_K`), whose
+      sum over the steps still to come telescopes to `r_k`; minus the group's mean `r_1`.
+    - `"pure"`: PURE's min form (Cheng et al. 2025, arXiv 2504.15275): the return from step k is
+      `min_{j>=k} r_j` (the worst step to come), minus the group's mean `min_j r_j`.
+    - `"value-delta"`: VinePPO (arXiv 2410.01679): step rewards are value estimates
+      `V(s_k)` (Monte-Carlo success rates of the prefix, the last step the outcome); the credit
+      is `V(s_k) - V(s_{k-1})`, with `V(s_0) = prompt_value` (default: the group's mean of the
+      last-step values, the G rollouts being Monte-Carlo samples of the prompt itself).
+    """
+    if variant == "first-error":
+        return _first_error_credit(step_rewards, threshold)
+    if variant == "progress":
+        return _progress_credit(step_rewards, threshold, eps)
+    rows = [[float(r) for r in rs] for rs in step_rewards]
+    if variant == "clip":
+        return _centred([_suffix([min(r - eta, 0.0) for r in rs], lambda a, b: a + b)
+                         for rs in rows])
+    if variant == "delta":
+        return _centred([list(rs) for rs in rows])  # the telescoped return of step k is r_k
+    if variant == "pure":
+        return _centred([_suffix(rs, min) for rs in rows])
+    if variant == "value-delta":
+        if prompt_value is None:
+            lasts = [rs[-1] for rs in rows if rs]
+            prompt_value = sum(lasts) / len(lasts) if lasts else 0.0
+        return [[v - p for p, v in zip([prompt_value, *rs[:-1]], rs)] for rs in rows]
+    raise ValueError(f"anchored_credit: unknown variant {variant!r}; "
+                     f"expected one of {ANCHORED_VARIANTS}")
 
 
 # ----------------------------------------------------------------------------------------------

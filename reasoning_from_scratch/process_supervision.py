@@ -4,7 +4,7 @@ spec, completions split into steps and scored, the step rewards turned into toke
 `make_process_advantage_fn` returns the `advantage_fn` hook of `grpo.collect_rollouts`. It sits
 above the pieces it combines, so they never import it: `process.py` (steps, token mapping,
 advantage formulas) < `step_scorers.py` (verifier, Monte-Carlo) < `prm.py` (the learned PRM and
-its scorer) < this module.
+its scorer) < `online_prm.py` (the PRM re-fitted during RL) < this module.
 """
 
 from __future__ import annotations
@@ -13,17 +13,27 @@ import math
 
 import torch
 
+from .online_prm import OnlinePRMStepScorer, OutcomeStepLabeler
 from .prm import PRMStepScorer, load_prm
-from .process import VARIANTS, completion_steps, process_advantages, step_statistics
+from .process import (
+    ANCHORED_VARIANTS,
+    VARIANTS,
+    completion_steps,
+    process_advantages,
+    step_statistics,
+)
 from .step_scorers import MonteCarloStepScorer, StepScorer, VerifierStepScorer, as_step_scorer
 
 
 def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
                       **mc_kwargs) -> StepScorer:
-    """A scorer from a command-line spec: verifier | verifier-signed | mc | mc-hard | prm:PATH.
+    """A scorer from a command-line spec: verifier | verifier-signed | mc | mc-hard | prm:PATH |
+    online-prm:PATH | online-prm-outcome:PATH.
 
     `mc` samples with `model` (the policy being trained, so it follows the current policy);
-    `mc_kwargs` go to `MonteCarloStepScorer`. `prm:PATH` loads a model saved by `prm.save_prm`.
+    `mc_kwargs` go to `MonteCarloStepScorer`. `prm:PATH` loads a model saved by `prm.save_prm`;
+    `online-prm:PATH` starts from it and re-fits it on every group of rollouts with the exact
+    verifier's step labels, `online-prm-outcome:PATH` with outcome labels (`online_prm.py`).
     """
     if spec == "verifier":
         return VerifierStepScorer()
@@ -37,20 +47,25 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
     if spec.startswith("prm:"):
         prm, prm_tokenizer = load_prm(spec[4:], device=device)
         return PRMStepScorer(prm, prm_tokenizer)
+    for prefix, labeler in (("online-prm:", None), ("online-prm-outcome:", OutcomeStepLabeler())):
+        if spec.startswith(prefix):
+            prm, prm_tokenizer = load_prm(spec[len(prefix):], device=device)
+            return OnlinePRMStepScorer(prm, prm_tokenizer, labeler)
     raise ValueError(f"unknown step scorer {spec!r}; expected verifier, verifier-signed, mc, "
-                     "mc-hard or prm:PATH")
+                     "mc-hard, prm:PATH, online-prm:PATH or online-prm-outcome:PATH")
 
 
 def process_token_advantages(
     rollouts, example: dict, tokenizer, step_scorer, prompt: str | None = None,
     variant: str = "sum", split_mode: str = "tags", pattern: str | None = None,
-    outcome_advantages=None, eps: float = 1e-4,
+    outcome_advantages=None, eps: float = 1e-4, alpha: float = 1.0,
 ) -> tuple[torch.Tensor, dict]:
     """Process advantages `(G, T)` for the G rollouts of one prompt (`generation.Rollouts`).
 
     Splits each completion into steps, maps them onto its generated tokens, scores the steps with
     `step_scorer` (anything `step_scorers.as_step_scorer` accepts) and applies
-    `process_advantages` with `variant`. T is `rollouts.completion_ids.shape[1]`. Returns the
+    `process_advantages` with `variant` (and `alpha`, the weight of the outcome-anchored forms'
+    step credit). T is `rollouts.completion_ids.shape[1]`. Returns the
     advantages and an info dict: `steps` (texts), `step_rewards`, `step_ends`, `stats`
     (`step_statistics` plus the scorer's cost).
     """
@@ -72,7 +87,7 @@ def process_token_advantages(
     lengths = [int(x) for x in rollouts.lengths]
     adv = torch.zeros(G, T, dtype=torch.float32)  # (G, T)
     if max(lengths, default=0) > 0:
-        a = process_advantages(rewards, ends, lengths, variant, outcome_advantages, eps)
+        a = process_advantages(rewards, ends, lengths, variant, outcome_advantages, eps, alpha)
         adv[:, : a.shape[1]] = a
     stats = step_statistics(rewards, ends)
     stats.update(scorer.cost())
@@ -83,19 +98,26 @@ class ProcessAdvantageFn:
     """The `advantage_fn` hook of `grpo.collect_rollouts`: token-level process advantages.
 
     Called as `fn(groups, outcome_advantages (N, G), completion_mask (B, Tc)) -> (B, Tc)`, where
-    `groups` are `(example, rollouts, scored)` tuples. The outcome advantages are used only by
-    the `"process+outcome"` variant. After each call `last_stats` holds the mean over groups of
-    `step_statistics` (and the scorer's cumulative cost), for metrics.csv.
+    `groups` are `(example, rollouts, scored)` tuples. The outcome advantages are used by the
+    `"process+outcome"` variant and the outcome-anchored ones (`process.ANCHORED_VARIANTS`,
+    weighted by `alpha`); `"pure"` gets them only on a `verifiable_share` of the groups, spread
+    evenly over the batch (PURE, arXiv 2504.15275: verifiable rewards on a small share of
+    prompts). After each call `last_stats` holds the mean over groups of `step_statistics` (and
+    the scorer's cumulative cost), for metrics.csv.
     """
 
     def __init__(self, tokenizer, step_scorer, variant: str = "sum", split_mode: str = "tags",
-                 pattern: str | None = None):
+                 pattern: str | None = None, alpha: float = 1.0, verifiable_share: float = 0.1):
         if variant not in VARIANTS:
             raise ValueError(f"ProcessAdvantageFn: unknown variant {variant!r}; "
                              f"expected {VARIANTS}")
+        if not 0.0 <= verifiable_share <= 1.0:
+            raise ValueError(f"ProcessAdvantageFn: verifiable_share must be in [0, 1], "
+                             f"got {verifiable_share}")
         self.tokenizer = tokenizer
         self.step_scorer = as_step_scorer(step_scorer)
         self.variant, self.split_mode, self.pattern = variant, split_mode, pattern
+        self.alpha, self.verifiable_share = float(alpha), float(verifiable_share)
         self.last_stats: dict[str, float] = {}
         self.last_infos: list[dict] = []
 
@@ -104,10 +126,10 @@ class ProcessAdvantageFn:
         rows, infos = [], []
         for n, group in enumerate(groups):
             example, ro = group[0], group[1]
-            oa = outcome_advantages[n] if self.variant == "process+outcome" else None
             adv, info = process_token_advantages(
                 ro, example, self.tokenizer, self.step_scorer, variant=self.variant,
-                split_mode=self.split_mode, pattern=self.pattern, outcome_advantages=oa,
+                split_mode=self.split_mode, pattern=self.pattern,
+                outcome_advantages=self._outcome_of(n, outcome_advantages), alpha=self.alpha,
             )
             T = min(adv.shape[1], Tc)
             padded = torch.zeros(adv.shape[0], Tc, dtype=torch.float32)
@@ -124,12 +146,23 @@ class ProcessAdvantageFn:
         out = torch.cat(rows) if rows else torch.zeros(0, Tc)
         return out.to(completion_mask.device) * completion_mask.to(out.device)
 
+    def _outcome_of(self, n: int, outcome_advantages):
+        """Group n's outcome advantages (G,) where the variant uses them, else None."""
+        if self.variant == "pure":
+            # groups n with floor((n + 1) share) > floor(n share): the share, spread evenly
+            share = self.verifiable_share
+            return outcome_advantages[n] if math.floor((n + 1) * share) > math.floor(
+                n * share) else None
+        if self.variant == "process+outcome" or self.variant in ANCHORED_VARIANTS:
+            return outcome_advantages[n]
+        return None
+
 
 #: metrics.csv columns filled from `ProcessAdvantageFn.last_stats` (MC cost columns only for mc).
 PROCESS_METRIC_COLUMNS = [
     "steps_per_completion", "steps_per_completion_max", "tokens_per_step", "step_reward_mean",
     "step_reward_std", "step_correct_rate", "first_error_step", "error_free_rate",
-    "mc_generated_tokens", "mc_rollouts", "mc_seconds",
+    "mc_generated_tokens", "mc_rollouts", "mc_seconds", "prm_agreement", "prm_loss",
 ]
 
 
@@ -137,14 +170,18 @@ def make_process_advantage_fn(
     tokenizer, step_scorer="verifier", variant: str = "sum", split_mode: str = "tags",
     pattern: str | None = None, model=None, device=None, mc_rollouts: int = 4,
     mc_max_new_tokens: int = 64, mc_temperature: float = 1.0, mc_generator=None,
+    alpha: float = 1.0, verifiable_share: float = 0.1,
 ) -> ProcessAdvantageFn:
     """A `ProcessAdvantageFn` from a scorer object or a spec string (verifier | verifier-signed |
-    mc | mc-hard | prm:PATH, see `build_step_scorer`); `mc` samples with `model`,
-    the policy being trained, so its values follow the current policy."""
+    mc | mc-hard | prm:PATH | online-prm:PATH, see `build_step_scorer`); `mc` samples with
+    `model`, the policy being trained, so its values follow the current policy. `alpha`: weight
+    of the outcome-anchored variants' step credit; `verifiable_share`: PURE's share of groups
+    with the outcome term."""
     if isinstance(step_scorer, str):
         mc_kwargs = {}
         if step_scorer.startswith("mc"):
             mc_kwargs = dict(num_continuations=mc_rollouts, max_new_tokens=mc_max_new_tokens,
                              temperature=mc_temperature, generator=mc_generator)
         step_scorer = build_step_scorer(step_scorer, model, tokenizer, device, **mc_kwargs)
-    return ProcessAdvantageFn(tokenizer, step_scorer, variant, split_mode, pattern)
+    return ProcessAdvantageFn(tokenizer, step_scorer, variant, split_mode, pattern, alpha,
+                              verifiable_share)

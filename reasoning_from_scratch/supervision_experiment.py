@@ -80,26 +80,50 @@ from .experiments import (
 )
 from .experiments import format_value as _opt  # short: the table lines are long
 from .files import atomic_write_json
+from .process import ANCHORED_VARIANTS
 from .prm import train_prm_on_arithmetic
 from .run_log import read_metrics
 from .training import GRPOConfig, train_grpo
 from .training_cli import load_grpo_data
 from .weights import load_pretrained
 
-# arm -> (step scorer spec, process variant; None = --process-variant); "prm" gets its path later
+# arm -> (step scorer spec, process variant; None = --process-variant). "prm" and "online-prm*"
+# specs get the PRM's path later (prm:PATH, online-prm:PATH, online-prm-outcome:PATH).
 ARMS = {
     "outcome": (None, None), "verifier": ("verifier", None), "mc": ("mc", None),
     "prm": ("prm", None), "verifier+outcome": ("verifier", "process+outcome"),
     "mc+outcome": ("mc", "process+outcome"),
+    # outcome-anchored forms (process.anchored_credit)
+    "first-error": ("verifier", "first-error"), "progress": ("verifier", "progress"),
+    "prm-clip": ("prm", "clip"), "prm-delta": ("prm", "delta"), "prm-pure": ("prm", "pure"),
+    "prm-progress": ("prm", "progress"), "mc-delta": ("mc", "value-delta"),
+    "online-prm": ("online-prm", "progress"),
+    "online-prm-outcome": ("online-prm-outcome", "progress"),
+    # the configuration chapter 8 recommends (see docs/process_supervision_forms.md)
+    "recommended": ("verifier", "progress"),
 }
+# Per-arm GRPOConfig values that differ from the shared flags.
+ARM_CONFIG = {"recommended": {"process_alpha": 1.0}}
 DEFAULT_ARMS = "outcome,verifier,mc,prm,verifier+outcome"
 LABELS = {
     "outcome": "outcome", "verifier": "process (verifier)", "mc": "process (MC)",
     "prm": "process (learned PRM)", "verifier+outcome": "process (verifier) + outcome",
     "mc+outcome": "process (MC) + outcome",
+    "first-error": "outcome + first-error penalty (verifier)",
+    "progress": "outcome + progress (verifier)",
+    "prm-clip": "outcome + clip form (PRM)", "prm-delta": "outcome + delta form (PRM)",
+    "prm-pure": "PURE min form (PRM)", "prm-progress": "outcome + progress (PRM)",
+    "mc-delta": "outcome + MC value differences",
+    "online-prm": "outcome + progress (online PRM, verifier labels)",
+    "online-prm-outcome": "outcome + progress (online PRM, outcome labels)",
+    "recommended": "recommended: outcome + progress (verifier)",
 }
 COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm": "tab:orange",
-          "verifier+outcome": "tab:olive", "mc+outcome": "tab:purple"}
+          "verifier+outcome": "tab:olive", "mc+outcome": "tab:purple",
+          "first-error": "tab:gray", "progress": "tab:cyan", "prm-clip": "tab:pink",
+          "prm-delta": "tab:brown", "prm-pure": "gold", "prm-progress": "darkorange",
+          "mc-delta": "darkred", "online-prm": "tab:purple", "online-prm-outcome": "indigo",
+          "recommended": "black"}
 # Held-out figures of every evaluated checkpoint (keys of evaluate()'s summary; may be None).
 METRICS = ("accuracy", "step_correctness", "right_answer_wrong_step", "think_accuracy",
            "format_rate")
@@ -109,7 +133,7 @@ PER_RUN = {"seed": "--seeds sets each run's seed", "supervision": "each arm sets
            "checkpoint_every": "see --eval-points"}
 # Fields that do not change what a run learns or how it is scored (ignored when reusing runs).
 COSMETIC = ("output_dir", "progress", "eval_batch_size", "sample_every")
-PROCESS_FIELDS = ("step_scorer", "process_variant", "step_split", "mc_rollouts")
+PROCESS_FIELDS = ("step_scorer", "process_variant", "step_split", "mc_rollouts", "process_alpha")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,10 +150,17 @@ def _run_config(arm, seed, values, args, prm_path, run_dir):
         d["supervision"] = "outcome"
     else:
         d.update(supervision="process",
-                 step_scorer=f"prm:{prm_path}" if spec == "prm" else spec,
+                 step_scorer=f"{spec}:{prm_path}" if _uses_prm(arm) else spec,
                  process_variant=variant or values["process_variant"],
-                 skip_zero_advantage=args.process_skip_zero_advantage)
+                 skip_zero_advantage=args.process_skip_zero_advantage,
+                 **ARM_CONFIG.get(arm, {}))
     return GRPOConfig.from_dict(d)
+
+
+def _uses_prm(arm):
+    """Whether an arm's step scorer is the learned PRM (static or online)."""
+    spec = ARMS[arm][0]
+    return spec is not None and (spec == "prm" or spec.startswith("online-prm"))
 
 
 def _run_settings(config, args, prm_report=None):
@@ -140,9 +171,12 @@ def _run_settings(config, args, prm_report=None):
             s.pop(k)
     elif not config.step_scorer.startswith("mc"):
         s.pop("mc_rollouts")
+    if config.supervision == "process" and config.process_variant not in ANCHORED_VARIANTS:
+        s.pop("process_alpha")
     s.update(model=args.model, eval_split=args.eval_split, train_examples=args.train_examples,
              train_level_weights=getattr(args, "train_level_weights", None))
-    if config.step_scorer.startswith("prm:") and config.supervision == "process":
+    if config.supervision == "process" and config.step_scorer.split(":")[0] in (
+            "prm", "online-prm", "online-prm-outcome"):
         s["prm_settings"] = (prm_report or {}).get("settings")
     return json.loads(json.dumps(s))  # as it reads back from JSON
 
@@ -415,7 +449,7 @@ def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
                      f"checkpoint with at most the outcome runs' mean total of "
                      f"{_k(budget)}k generated tokens (mean step of that checkpoint in "
                      "brackets): the equal-generated-tokens comparison.")
-    if prm_report is not None and any(r["arm"] == "prm" for r in rows):
+    if prm_report is not None and any(_uses_prm(r["arm"]) for r in rows):
         h = prm_report.get("held_out", {})
         extra = prm_report.get("sampled_tokens", 0) + prm_report.get("mc_generated_tokens", 0)
         lines.append(
@@ -513,7 +547,7 @@ def run_experiment(args, arms, seeds):
     base = _base_figures(base_model, tokenizer, held_out, device, config, args, out)
     print("base model: " + ", ".join(f"{k} {_opt(base[k])}" for k in METRICS))
     prm_path = prm_report = None
-    if "prm" in arms:
+    if any(_uses_prm(arm) for arm in arms):
         prm_path, prm_report = _prepare_prm(args, config, base_model, tokenizer, device, out)
     curves = _run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokenizer,
                       train, held_out, device, base)

@@ -135,7 +135,7 @@ CONFIG_RULES = {
     "weight_decay": non_negative, "max_grad_norm": positive,
     "prompts_per_step": at_least(1), "num_rollouts": at_least(2), "max_new_tokens": at_least(1),
     "temperature": positive, "top_p": probability, "format_reward_weight": non_negative,
-    "mc_rollouts": at_least(1),
+    "mc_rollouts": at_least(1), "process_alpha": non_negative,
     "epsilon": optional(in_range(0, 1, low_open=True)), "epsilon_high": optional(positive),
     "beta": non_negative, "tis_cap": optional(positive),
     "off_policy_mask_threshold": optional(non_negative), "max_sampling_rounds": at_least(1),
@@ -187,6 +187,7 @@ class GRPOConfig:
     process_variant: str = "sum"  # process: sum | process+outcome | min (PURE) | position
     step_split: str = "tags"  # process: how completions split into steps
     mc_rollouts: int = 4  # process, step_scorer mc: continuations sampled per step prefix
+    process_alpha: float = 1.0  # process, outcome-anchored variants: weight of the step credit
     # loss
     loss_type: str = "grpo"  # "grpo" | "dapo" | "dr_grpo" | "sequence"
     epsilon: float | None = 0.2  # None: no clipping (chapter 6)
@@ -522,6 +523,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
             tokenizer, config.step_scorer, config.process_variant, config.step_split,
             model=model, device=device, mc_rollouts=config.mc_rollouts,
             mc_max_new_tokens=config.max_new_tokens, mc_temperature=config.temperature,
+            alpha=config.process_alpha,
         )
     t_start = time.time()
     if reward_fn is None:
@@ -821,10 +823,11 @@ def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step
 
 
 def _scorer_tokens(advantage_fn):
-    """Tokens generated so far by a process step scorer (Monte-Carlo continuations); 0 if free."""
+    """Tokens spent so far by a process step scorer (Monte-Carlo continuations, an online PRM's
+    reading); 0 if free."""
     scorer = getattr(advantage_fn, "step_scorer", None)
     cost = scorer.cost() if scorer is not None and hasattr(scorer, "cost") else {}
-    return int(cost.get("mc_generated_tokens", 0))
+    return int(cost.get("mc_generated_tokens", 0) + cost.get("scorer_tokens", 0))
 
 
 def _logprobs_no_grad(model, batch, config):

@@ -66,9 +66,13 @@ CONFIG_HELP = {
     "supervision": "outcome (one reward per completion) or process (a reward per reasoning "
                    "step, DeepSeekMath-style token advantages)",
     "step_scorer": "process supervision step scorer: verifier | verifier-signed | mc | mc-hard | "
-                   "prm:PATH",
+                   "prm:PATH | online-prm:PATH | online-prm-outcome:PATH (a PRM re-fitted on "
+                   "the rollouts with verifier / outcome labels)",
     "process_variant": "process advantage: sum (DeepSeekMath) | process+outcome | min (PURE) | "
-                       "position",
+                       "position | outcome-anchored: first-error | progress | clip | delta "
+                       "(Gao et al.) | pure (PURE min form) | value-delta (VinePPO); see "
+                       "process.anchored_credit",
+    "process_alpha": "weight of the step credit in the outcome-anchored process variants",
     "step_split": "how completions are split into steps: tags | newlines | blank_lines",
     "mc_rollouts": "Monte-Carlo continuations per step prefix (step-scorer mc)",
     "loss_type": "grpo: per-sequence token mean; dapo: batch token mean; dr_grpo: sum/(B*max "
