@@ -515,10 +515,14 @@ def _suffix(values: list[float], op) -> list[float]:
 
 
 def _centred(returns):
-    """Returns minus the group's mean whole-completion return (the first step's; RLOO-style)."""
-    firsts = [r[0] for r in returns if r]
-    base = sum(firsts) / len(firsts) if firsts else 0.0
-    return [[x - base for x in r] for r in returns]
+    """Returns minus a per-position baseline: the group's mean return at the same step index
+    (over the completions that have that step), so equal completions get zero credit."""
+    K = max((len(r) for r in returns), default=0)
+    base = []
+    for k in range(K):
+        at = [r[k] for r in returns if len(r) > k]
+        base.append(sum(at) / len(at))
+    return [[x - b for x, b in zip(r, base)] for r in returns]
 
 
 def anchored_credit(
@@ -541,12 +545,14 @@ def anchored_credit(
       completion whose steps are missing or unverified scores 0 correct steps, never more than
       one that shows them.
     - `"clip"`: Gao et al. 2024 (arXiv 2410.15115) clip form: step rewards `min(r_k - eta, 0)`
-      summed over the steps still to come, `sum_{j>=k} min(r_j - eta, 0)`, minus the group's
-      mean whole-completion return. Never positive before centring, so more steps cannot pay.
+      summed over the steps still to come, `G_k = sum_{j>=k} min(r_j - eta, 0)`. Never positive,
+      so more steps cannot pay.
     - `"delta"`: Gao et al. delta form: step rewards `r_k - r_{k+1}` (the last: `r_K`), whose
-      sum over the steps still to come telescopes to `r_k`; minus the group's mean `r_1`.
+      sum over the steps still to come telescopes to `G_k = r_k`.
     - `"pure"`: PURE's min form (Cheng et al. 2025, arXiv 2504.15275): the return from step k is
-      `min_{j>=k} r_j` (the worst step to come), minus the group's mean `min_j r_j`.
+      `G_k = min_{j>=k} r_j`, the worst step to come.
+    These three are centred per step index: credit `G_{i,k} - mean_j G_{j,k}` over the
+    completions j of the group that have a step k (a baseline, as RLOO's in Gao et al. and PURE).
     - `"value-delta"`: VinePPO (arXiv 2410.01679): step rewards are value estimates
       `V(s_k)` (Monte-Carlo success rates of the prefix, the last step the outcome); the credit
       is `V(s_k) - V(s_{k-1})`, with `V(s_0) = prompt_value` (default: the group's mean of the

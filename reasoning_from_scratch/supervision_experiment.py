@@ -80,8 +80,8 @@ from .experiments import (
 )
 from .experiments import format_value as _opt  # short: the table lines are long
 from .files import atomic_write_json
-from .process import ANCHORED_VARIANTS
 from .prm import train_prm_on_arithmetic
+from .process import ANCHORED_VARIANTS
 from .run_log import read_metrics
 from .training import GRPOConfig, train_grpo
 from .training_cli import load_grpo_data

@@ -1,0 +1,130 @@
+"""Tests for the outcome-anchored process forms (process.anchored_credit): hand-computed credits."""
+
+import pytest
+import torch
+
+from reasoning_from_scratch.process import (
+    ANCHORED_VARIANTS,
+    anchored_credit,
+    prefix_correct,
+    process_advantages,
+    progress_state_values,
+)
+
+
+def close(got, want, tol=1e-3):
+    """Nested lists equal within tol."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, abs=tol)
+
+
+def test_prefix_correct_is_a_running_minimum():
+    assert prefix_correct([[1, 1, 0, 1], [0.7, 0.2], []]) == [[1, 1, 0, 0], [1, 0], []]
+
+
+def test_first_error_marks_only_the_first_wrong_step():
+    close(anchored_credit([[1, 1, 0, 0], [1, 1, 1], [0]], "first-error"),
+          [[0, 0, -1, 0], [0, 0, 0], [-1]])
+
+
+def test_first_error_token_advantages_by_hand():
+    # completion 0: steps end at tokens 1, 3, 5, 6; its third step is the first wrong one
+    adv = process_advantages([[1, 1, 0, 0], [1, 1, 1]], [[1, 3, 5, 6], [0, 2, 4]], [7, 5],
+                             variant="first-error", outcome_advantages=[-1.0, 1.0], alpha=0.5)
+    want = torch.tensor([[-1, -1, -1, -1, -1.5, -1.5, -1], [1, 1, 1, 1, 1, 0, 0]])
+    torch.testing.assert_close(adv, want.float())
+
+
+def test_progress_state_values_by_hand():
+    # A: 2 correct then wrong; C: 4 correct; B: a bare wrong answer (one step)
+    correct = [[1, 1, 0], [1, 1, 1, 1], [0]]
+    # V_0 = mean(2, 4, 0); V_1 = mean(1, 3) over A, C; V_2 = mean(0, 2); V_3 = 1 (C); V_4 = 0
+    assert progress_state_values(correct) == pytest.approx([2, 2, 1, 1, 0])
+
+
+def test_progress_credit_by_hand():
+    # TD credit c_k + c_k V_k - V_{k-1}, over std(M) = std(2, 4, 0) = 2 (unbiased)
+    got = anchored_credit([[1, 1, 0], [1, 1, 1, 1], [0]], "progress", eps=0.0)
+    close(got, [[0.5, 0.0, -0.5], [0.5, 0.0, 0.5, 0.0], [-1.0]])
+    # the credits of a completion sum to its group-normalised correct-step count
+    for credit, m in zip(got, [2, 4, 0]):
+        assert sum(credit) == pytest.approx((m - 2) / 2)
+
+
+def test_progress_two_completions_blame_only_where_they_part():
+    # both correct for two steps; A slips at step 3, C goes on: only step 3 gets credit
+    got = anchored_credit([[1, 1, 0], [1, 1, 1, 1]], "progress", eps=0.0)
+    s = 2 ** 0.5  # std(2, 4)
+    close(got, [[0, 0, -1 / s], [0, 0, 1 / s, 0]])
+
+
+def test_progress_never_lets_hiding_the_steps_pay():
+    # a bare wrong answer (no steps) vs shown work that fails at its first step: equal (both 0
+    # correct steps), and below shown work with one correct step
+    got = anchored_credit([[0], [0, 0, 0], [1, 0, 0]], "progress", eps=0.0)
+    assert sum(got[0]) == pytest.approx(sum(got[1]))
+    assert sum(got[0]) < sum(got[2])
+
+
+def test_equal_groups_give_zero_advantages():
+    for variant in ANCHORED_VARIANTS:
+        rewards = [[1, 1, 0], [1, 1, 0], [1, 1, 0]]
+        adv = process_advantages(rewards, [[0, 1, 2]] * 3, [3, 3, 3], variant=variant,
+                                 outcome_advantages=[0.0, 0.0, 0.0])
+        if variant == "first-error":  # a penalty, not centred: the same wrong step in each
+            assert torch.equal(adv, torch.tensor([[0.0, 0.0, -1.0]] * 3))
+        elif variant == "value-delta":  # values, not a contrast: V(s_0) = 0 -> 1 -> 1 -> 0
+            assert torch.equal(adv, torch.tensor([[1.0, 0.0, -1.0]] * 3))
+        else:
+            assert torch.equal(adv, torch.zeros(3, 3)), variant
+
+
+SCORES = [[0.9, 0.2, 0.6], [0.3, 0.8]]  # reward-model scores of two completions' steps
+
+
+def test_clip_form_by_hand():
+    # clipped rewards min(r - 0.5, 0): (0, -0.3, 0), (-0.2, 0); returns (-0.3, -0.3, 0),
+    # (-0.2, 0); per-index baselines -0.25, -0.15, 0
+    close(anchored_credit(SCORES, "clip", eta=0.5), [[-0.05, -0.15, 0.0], [0.05, 0.15]])
+
+
+def test_delta_form_by_hand():
+    # delta rewards r_k - r_{k+1} telescope to the return r_k; baselines 0.6, 0.5, 0.6
+    close(anchored_credit(SCORES, "delta"), [[0.3, -0.3, 0.0], [-0.3, 0.3]])
+
+
+def test_pure_min_form_by_hand():
+    # suffix minima (0.2, 0.2, 0.6), (0.3, 0.8); baselines 0.25, 0.5, 0.6
+    close(anchored_credit(SCORES, "pure"), [[-0.05, -0.3, 0.0], [0.05, 0.3]])
+    # without outcome advantages PURE's advantages are the credits alone
+    adv = process_advantages(SCORES, [[0, 1, 2], [0, 1]], [3, 2], variant="pure")
+    torch.testing.assert_close(adv, torch.tensor([[-0.05, -0.3, 0.0], [0.05, 0.3, 0.0]]))
+
+
+def test_value_delta_by_hand():
+    # V(s_0) = mean of the last values (1.0, 0.0) = 0.5: credits V_k - V_{k-1}
+    close(anchored_credit([[0.5, 0.25, 1.0], [0.0]], "value-delta"),
+          [[0.0, -0.25, 0.75], [-0.5]])
+    close(anchored_credit([[0.5], [1.0]], "value-delta", prompt_value=0.0), [[0.5], [1.0]])
+    # equal completions whose values are their outcome all along: no credit
+    close(anchored_credit([[1.0, 1.0], [1.0, 1.0]], "value-delta"), [[0.0, 0.0], [0.0, 0.0]])
+
+
+def test_anchored_variants_need_outcome_advantages():
+    for variant in ("first-error", "progress", "clip", "delta", "value-delta"):
+        with pytest.raises(ValueError, match="outcome_advantages"):
+            process_advantages([[1]], [[0]], [1], variant=variant)
+    with pytest.raises(ValueError, match="unknown variant"):
+        anchored_credit([[1]], "sum")
+
+
+def test_progress_token_advantages_add_the_outcome_anchor():
+    rewards, ends, lengths = [[1, 1, 0], [1, 1, 1, 1]], [[0, 1, 3], [0, 1, 2, 4]], [4, 5]
+    oa = torch.tensor([-0.7, 0.7])
+    adv = process_advantages(rewards, ends, lengths, variant="progress", outcome_advantages=oa,
+                             alpha=2.0)
+    s = 2.0 / (2 ** 0.5 + 1e-4)
+    want = torch.tensor([[-0.7, -0.7, -0.7 - s, -0.7 - s, 0.0],
+                         [0.7, 0.7, 0.7 + s, 0.7, 0.7]])
+    torch.testing.assert_close(adv, want)
