@@ -346,6 +346,52 @@ def _last_within(points, budget):
     return inside[-1] if inside else None
 
 
+def interpolate_at(points, x, key="tokens", value="accuracy"):
+    """`value` at `key` = x, linear between the evaluated points (held flat past the last);
+    None if a needed point has no value. Points are in step order, the first at x = 0."""
+    pts = [p for p in points if p.get(key) is not None and not math.isnan(p[key])]
+    if not pts:
+        return None
+    if x >= pts[-1][key]:
+        return pts[-1][value]
+    for a, b in zip(pts, pts[1:]):
+        if a[key] <= x <= b[key]:
+            if a[value] is None or b[value] is None:
+                return None
+            w = 0.0 if b[key] == a[key] else (x - a[key]) / (b[key] - a[key])
+            return a[value] + w * (b[value] - a[value])
+    return pts[0][value]
+
+
+def first_crossing(points, target, key="tokens", value="accuracy"):
+    """The `key` (tokens, seconds) at which `value` first reaches `target`, linear between the
+    evaluated points; None if it never does."""
+    prev = None
+    for p in points:
+        v = p.get(value)
+        if v is not None and v >= target - 1e-9:
+            if prev is None or prev[value] is None:
+                return p[key]
+            w = (target - prev[value]) / (v - prev[value])
+            return prev[key] + w * (p[key] - prev[key])
+        prev = p
+    return None
+
+
+def _equal_compute(row, runs, start, target, budget, seconds):
+    """The interpolated equal-compute figures of one arm's row (added in place)."""
+    pts = [[start, *p] for p in runs.values()]
+    if budget is not None:
+        at = [interpolate_at(p, budget) for p in pts]
+        row["accuracy_at_budget_interp"] = stat(at)
+        row["accuracy_at_budget_per_seed"] = dict(zip(sorted(runs), at))
+    if target is not None and budget:
+        reach = [first_crossing(p, target) for p in pts]
+        row["tokens_to_target_share"] = [None if r is None else r / budget for r in reach]
+    if seconds is not None:
+        row["accuracy_at_seconds"] = stat([interpolate_at(p, seconds, "seconds") for p in pts])
+
+
 def summarise(curves, base):
     """Per-arm rows of the table, plus the outcome runs' target accuracy and token budget.
 
@@ -355,12 +401,14 @@ def summarise(curves, base):
     start = {"step": 0, "seconds": 0.0, "gen_tokens": 0.0, "scorer_tokens": 0.0, "tokens": 0.0,
              **base}
     finals = {arm: [pts[-1] for pts in runs.values()] for arm, runs in curves.items()}
-    target = budget = None
+    target = budget = seconds = None
     if finals.get("outcome"):
         target = mean_std([p["accuracy"] for p in finals["outcome"]])[0]
         budget = mean_std([p["tokens"] for p in finals["outcome"]])[0]
+        seconds = mean_std([p["seconds"] for p in finals["outcome"]])[0]
         target = None if math.isnan(target) else target
         budget = None if math.isnan(budget) else budget
+        seconds = None if math.isnan(seconds) else seconds
     rows = []
     for arm, runs in curves.items():
         last = finals[arm]
@@ -380,8 +428,9 @@ def summarise(curves, base):
             chosen = [p for p in chosen if p is not None]
             row["accuracy_at_budget"] = stat([p["accuracy"] for p in chosen])
             row["step_at_budget"] = stat([p["step"] for p in chosen])
+        _equal_compute(row, runs, start, target, budget, seconds)
         rows.append(row)
-    return {"target": target, "token_budget": budget, "rows": rows}
+    return {"target": target, "token_budget": budget, "seconds_budget": seconds, "rows": rows}
 
 
 def _fmt_reach(values):
@@ -403,6 +452,34 @@ def _fmt_tokens(row):
     if math.isnan(total):
         return "n/a"
     return _k(total) + (f" (scorer {_k(scorer)})" if scorer and not math.isnan(scorer) else "")
+
+
+def _equal_compute_table(summary):
+    """The second table: accuracy at outcome's tokens and seconds, interpolated between the
+    evaluated checkpoints, and the share of outcome's tokens needed to reach its accuracy."""
+    budget, seconds, target = (summary["token_budget"], summary.get("seconds_budget"),
+                               summary["target"])
+    if budget is None:
+        return []
+    lines = ["", "| supervision | acc. at outcome's tokens (interpolated) | per seed | "
+             "outcome's final acc. reached at (share of outcome's tokens, per seed) | "
+             "acc. at outcome's train s | final format rate |", "|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        seeds = ", ".join("n/a" if v is None else f"{v:.3f}"
+                          for v in r.get("accuracy_at_budget_per_seed", {}).values())
+        shares = ", ".join("never" if v is None else f"{v:.2f}"
+                           for v in r.get("tokens_to_target_share", []))
+        lines.append(f"| {r['label']} | {format_pm(r['accuracy_at_budget_interp'])} | {seeds} | "
+                     f"{shares} | {format_pm(r.get('accuracy_at_seconds', stat([])))} | "
+                     f"{format_pm(r['final_format_rate'])} |")
+    lines += ["", f"Equal compute, interpolated linearly between the evaluated checkpoints "
+              f"(step 0: the base model): accuracy at the outcome runs' mean {_k(budget)}k "
+              f"generated tokens (rollouts + scorer) and at their mean "
+              f"{'n/a' if seconds is None else f'{seconds:.0f}'} training seconds (wall clock "
+              "on a shared machine: noisy); share of those tokens spent when a run's accuracy "
+              f"first reaches {'n/a' if target is None else f'{target:.3f}'}, outcome's mean "
+              "final accuracy."]
+    return lines
 
 
 def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
@@ -449,6 +526,7 @@ def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
                      f"checkpoint with at most the outcome runs' mean total of "
                      f"{_k(budget)}k generated tokens (mean step of that checkpoint in "
                      "brackets): the equal-generated-tokens comparison.")
+    lines += _equal_compute_table(summary)
     if prm_report is not None and any(_uses_prm(r["arm"]) for r in rows):
         h = prm_report.get("held_out", {})
         extra = prm_report.get("sampled_tokens", 0) + prm_report.get("mc_generated_tokens", 0)
