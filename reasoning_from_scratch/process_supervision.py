@@ -27,8 +27,9 @@ from .step_scorers import MonteCarloStepScorer, StepScorer, VerifierStepScorer, 
 
 def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
                       **mc_kwargs) -> StepScorer:
-    """A scorer from a command-line spec: verifier | verifier-signed | mc | mc-hard | prm:PATH |
-    online-prm:PATH | online-prm-outcome:PATH.
+    """A scorer from a command-line spec: verifier | verifier-signed | verifier-think | mc |
+    mc-hard | prm:PATH | online-prm:PATH | online-prm-outcome:PATH (`verifier-think`: steps
+    count only in the think format, `VerifierStepScorer(think_only=True)`).
 
     `mc` samples with `model` (the policy being trained, so it follows the current policy);
     `mc_kwargs` go to `MonteCarloStepScorer`. `prm:PATH` loads a model saved by `prm.save_prm`;
@@ -39,6 +40,8 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
         return VerifierStepScorer()
     if spec == "verifier-signed":
         return VerifierStepScorer(signed=True)
+    if spec == "verifier-think":
+        return VerifierStepScorer(think_only=True)
     if spec in ("mc", "mc-hard"):
         if model is None or tokenizer is None:
             raise ValueError("the mc step scorer needs the policy model and tokenizer")
@@ -51,7 +54,8 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
         if spec.startswith(prefix):
             prm, prm_tokenizer = load_prm(spec[len(prefix):], device=device)
             return OnlinePRMStepScorer(prm, prm_tokenizer, labeler)
-    raise ValueError(f"unknown step scorer {spec!r}; expected verifier, verifier-signed, mc, "
+    raise ValueError(f"unknown step scorer {spec!r}; expected verifier, verifier-signed, "
+                     "verifier-think, mc, "
                      "mc-hard, prm:PATH, online-prm:PATH or online-prm-outcome:PATH")
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .arithmetic import parse_steps, verify_steps
+from .evaluation import has_think_format
 from .generation import generate, stop_token_ids
 from .grading import reward_rlvr
 
@@ -79,18 +80,25 @@ class VerifierStepScorer(StepScorer):
     - steps with no checkable `Step k:` line that are not the last step count as wrong (so the
       policy cannot farm reward with filler steps).
     - `signed=True` gives +1 / -1 instead of 1 / 0.
+    - `think_only=True`: work shown outside the `<think>...</think>` format the outcome reward
+      pays for counts as not shown: every step of a completion without that format is wrong.
+      Otherwise a progress reward pays for correct steps in the plain formats ("Step 1: ...
+      The answer is 82.") as much as in the think format, and the policy drifts to them.
     """
 
     name = "verifier"
 
     def __init__(self, signed: bool = False, propagate_errors: bool = True,
-                 final_step_is_outcome: bool = True):
+                 final_step_is_outcome: bool = True, think_only: bool = False):
         self.signed = signed
         self.propagate_errors = propagate_errors
         self.final_step_is_outcome = final_step_is_outcome
+        self.think_only = think_only
 
     def correct_steps(self, steps: Sequence[str], example: dict) -> list[bool]:
         """Correctness of each step (before mapping to reward values)."""
+        if self.think_only and not has_think_format("".join(steps)):
+            return [False] * len(steps)
         exprs = [parse_steps(s) for s in steps]  # the 'a op b = c' parts of each step
         flat = [e for es in exprs for e in es]
         verdicts = verify_steps(example["problem"], flat) if flat else []

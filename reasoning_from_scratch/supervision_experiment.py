@@ -95,6 +95,7 @@ ARMS = {
     "mc+outcome": ("mc", "process+outcome"),
     # outcome-anchored forms (process.anchored_credit)
     "first-error": ("verifier", "first-error"), "progress": ("verifier", "progress"),
+    "progress-think": ("verifier-think", "progress"),
     "prm-clip": ("prm", "clip"), "prm-delta": ("prm", "delta"), "prm-pure": ("prm", "pure"),
     "prm-progress": ("prm", "progress"), "mc-delta": ("mc", "value-delta"),
     "online-prm": ("online-prm", "progress"),
@@ -111,6 +112,7 @@ LABELS = {
     "mc+outcome": "process (MC) + outcome",
     "first-error": "outcome + first-error penalty (verifier)",
     "progress": "outcome + progress (verifier)",
+    "progress-think": "outcome + progress (verifier, think-format steps only)",
     "prm-clip": "outcome + clip form (PRM)", "prm-delta": "outcome + delta form (PRM)",
     "prm-pure": "PURE min form (PRM)", "prm-progress": "outcome + progress (PRM)",
     "mc-delta": "outcome + MC value differences",
@@ -120,7 +122,7 @@ LABELS = {
 }
 COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm": "tab:orange",
           "verifier+outcome": "tab:olive", "mc+outcome": "tab:purple",
-          "first-error": "tab:gray", "progress": "tab:cyan", "prm-clip": "tab:pink",
+          "first-error": "tab:gray", "progress": "tab:cyan", "progress-think": "teal", "prm-clip": "tab:pink",
           "prm-delta": "tab:brown", "prm-pure": "gold", "prm-progress": "darkorange",
           "mc-delta": "darkred", "online-prm": "tab:purple", "online-prm-outcome": "indigo",
           "recommended": "black"}
