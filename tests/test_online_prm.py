@@ -168,3 +168,15 @@ def test_compute_grpo_loss_accepts_the_new_forms(variant):
                             "cpu", num_rollouts=4, max_new_tokens=40, temperature=1.0, top_p=1.0,
                             generator=g, supervision="process", process_variant=variant)
     assert torch.isfinite(out["loss_tensor"]).all()
+
+
+def test_verifier_think_only_counts_work_outside_the_think_format_as_not_shown():
+    plain = GOOD.replace(" <think>\n", "\n").replace("</think>\n", "")  # same steps, no tags
+    verifier, think_only = VerifierStepScorer(), build_step_scorer("verifier-think")
+    assert verifier.score("", steps_of(plain), EXAMPLE) == [1.0] * 4
+    assert think_only.score("", steps_of(plain), EXAMPLE) == [0.0] * 4
+    assert think_only.score("", steps_of(GOOD), EXAMPLE) == [1.0] * 4
+    # so under the progress form the plain solution ranks with a bare wrong answer
+    credit = process_advantages([[0.0] * 4, [0.0], [1.0] * 4], [[0, 1, 2, 3], [0], [0, 1, 2, 3]],
+                                [4, 1, 4], "progress", [0.0, 0.0, 0.0])
+    assert credit[0, 0] == credit[1, 0] < 0 < credit[2, 0]
