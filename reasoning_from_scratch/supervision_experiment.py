@@ -122,7 +122,8 @@ LABELS = {
 }
 COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm": "tab:orange",
           "verifier+outcome": "tab:olive", "mc+outcome": "tab:purple",
-          "first-error": "tab:gray", "progress": "tab:cyan", "progress-think": "teal", "prm-clip": "tab:pink",
+          "first-error": "tab:gray", "progress": "tab:cyan", "progress-think": "teal",
+          "prm-clip": "tab:pink",
           "prm-delta": "tab:brown", "prm-pure": "gold", "prm-progress": "darkorange",
           "mc-delta": "darkred", "online-prm": "tab:purple", "online-prm-outcome": "indigo",
           "recommended": "black"}
@@ -546,12 +547,12 @@ def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
 
 
 def _aggregate(runs, key):
-    """Per step over the seeds of one arm: (steps, mean tokens, mean, sd) of `key`.
+    """Per step over the seeds of one arm: (steps, mean tokens, mean seconds, mean, sd) of `key`.
 
     The points without a value (None / NaN) are left out.
     """
     steps = sorted({p["step"] for pts in runs for p in pts})
-    xs, toks, ms, ss = [], [], [], []
+    xs, toks, secs, ms, ss = [], [], [], [], []
     for step in steps:
         at = [p for pts in runs for p in pts if p["step"] == step]
         m, s = mean_std([p.get(key) for p in at])
@@ -559,47 +560,53 @@ def _aggregate(runs, key):
             continue
         xs.append(step)
         toks.append(mean_std([p["tokens"] for p in at])[0])
+        secs.append(mean_std([p.get("seconds") for p in at])[0])
         ms.append(m)
         ss.append(s)
-    return xs, toks, ms, ss
+    return xs, toks, secs, ms, ss
 
 
-def plot_process_vs_outcome(curves, base, path, token_budget=None):
-    """2x2 figure: accuracy / step correctness against training step and generated tokens."""
-    start = {"step": 0, "tokens": 0.0, **base}
-    fig = Figure(figsize=(12, 8.5))
+def plot_process_vs_outcome(curves, base, path, token_budget=None, seconds_budget=None):
+    """2x3 figure: accuracy / step correctness against training step, generated tokens and
+    training seconds (equal steps, equal tokens, equal seconds), mean +- sd over seeds."""
+    start = {"step": 0, "tokens": 0.0, "seconds": 0.0, **base}
+    fig = Figure(figsize=(17, 8.5))
     FigureCanvasAgg(fig)  # drawn without pyplot: leaves a notebook's backend alone
-    axes = fig.subplots(2, 2)
+    axes = fig.subplots(2, 3)
     n_seeds = max((len(runs) for runs in curves.values()), default=0)
     for arm, runs in curves.items():
         pts = [[start, *p] for p in runs.values()]
         for row, key in ((0, "accuracy"), (1, "step_correctness")):
-            steps, toks, m, s = _aggregate(pts, key)
-            for col, x in ((0, steps), (1, [t / 1000 for t in toks])):
+            steps, toks, secs, m, s = _aggregate(pts, key)
+            for col, x in ((0, steps), (1, [t / 1000 for t in toks]), (2, secs)):
                 keep = [i for i, v in enumerate(x) if not math.isnan(v)]
                 xk = [x[i] for i in keep]
                 lo = [m[i] - s[i] for i in keep]
                 hi = [m[i] + s[i] for i in keep]
                 ax = axes[row, col]
-                ax.plot(xk, [m[i] for i in keep], marker="o", ms=4, color=COLORS.get(arm),
+                ax.plot(xk, [m[i] for i in keep], marker="o", ms=3, color=COLORS.get(arm),
                         label=LABELS[arm])
                 ax.fill_between(xk, lo, hi, color=COLORS.get(arm), alpha=0.15, linewidth=0)
+    budgets = {1: (token_budget / 1000 if token_budget else None, " outcome's tokens"),
+               2: (seconds_budget, " outcome's seconds")}
     for row, name in ((0, "held-out strict accuracy"), (1, "held-out step correctness")):
-        for col, xlabel in ((0, "training step"), (1, "generated tokens (k): rollouts + scorer")):
+        for col, xlabel in ((0, "training step"), (1, "generated tokens (k): rollouts + scorer"),
+                            (2, "training seconds (shared machine)")):
             ax = axes[row, col]
             ax.set_xlabel(xlabel)
             ax.set_ylabel(name)
             ax.grid(alpha=0.3)
-            if col == 1 and token_budget is not None:
-                ax.axvline(token_budget / 1000, color="tab:blue", ls=":", lw=1)
-    if token_budget is not None:
-        axes[0, 1].text(token_budget / 1000, 0.02, " outcome's tokens", color="tab:blue",
-                        transform=axes[0, 1].get_xaxis_transform(), fontsize=8)
-    axes[0, 0].legend(fontsize=9)
+            x, text = budgets.get(col, (None, ""))
+            if x is not None:
+                ax.axvline(x, color="tab:blue", ls=":", lw=1)
+                if row == 0:
+                    ax.text(x, 0.02, text, color="tab:blue", transform=ax.get_xaxis_transform(),
+                            fontsize=8)
+    axes[0, 0].legend(fontsize=8)
     fig.suptitle("GRPO on the tiny arithmetic world: outcome vs process supervision "
                  f"(mean ± sd over {n_seeds} seed{'s' if n_seeds != 1 else ''})")
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    fig.savefig(path, dpi=120)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -669,7 +676,7 @@ def _write_results(curves, base, out, prm_report, args, held_out_name):
     summary = summarise(curves, base)
     table = write_table(summary, base, out / "results.md", prm_report, held_out_name)
     plot_process_vs_outcome(curves, base, out / "process_vs_outcome.png",
-                            summary["token_budget"])
+                            summary["token_budget"], summary.get("seconds_budget"))
     atomic_write_json(out / "results.json", jsonable({
         "base": base, **summary, "curves": curves, "prm": prm_report, "args": vars(args)}))
     print(table)
