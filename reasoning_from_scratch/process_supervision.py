@@ -34,7 +34,8 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
     `mc` samples with `model` (the policy being trained, so it follows the current policy);
     `mc_kwargs` go to `MonteCarloStepScorer`. `prm:PATH` loads a model saved by `prm.save_prm`;
     `online-prm:PATH` starts from it and re-fits it on every group of rollouts with the exact
-    verifier's step labels, `online-prm-outcome:PATH` with outcome labels (`online_prm.py`).
+    verifier's step labels (think-format steps only, as `verifier-think`),
+    `online-prm-outcome:PATH` with outcome labels (`online_prm.py`).
     """
     if spec == "verifier":
         return VerifierStepScorer()
@@ -50,7 +51,9 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
     if spec.startswith("prm:"):
         prm, prm_tokenizer = load_prm(spec[4:], device=device)
         return PRMStepScorer(prm, prm_tokenizer)
-    for prefix, labeler in (("online-prm:", None), ("online-prm-outcome:", OutcomeStepLabeler())):
+    labelers = (("online-prm:", VerifierStepScorer(think_only=True)),
+                ("online-prm-outcome:", OutcomeStepLabeler()))
+    for prefix, labeler in labelers:
         if spec.startswith(prefix):
             prm, prm_tokenizer = load_prm(spec[len(prefix):], device=device)
             return OnlinePRMStepScorer(prm, prm_tokenizer, labeler)

@@ -101,7 +101,7 @@ ARMS = {
     "online-prm": ("online-prm", "progress"),
     "online-prm-outcome": ("online-prm-outcome", "progress"),
     # the configuration chapter 8 recommends (see docs/process_supervision_forms.md)
-    "recommended": ("verifier", "progress"),
+    "recommended": ("verifier-think", "progress"),
 }
 # Per-arm GRPOConfig values that differ from the shared flags.
 ARM_CONFIG = {"recommended": {"process_alpha": 1.0}}
@@ -118,7 +118,7 @@ LABELS = {
     "mc-delta": "outcome + MC value differences",
     "online-prm": "outcome + progress (online PRM, verifier labels)",
     "online-prm-outcome": "outcome + progress (online PRM, outcome labels)",
-    "recommended": "recommended: outcome + progress (verifier)",
+    "recommended": "recommended: outcome + progress (verifier, think-format steps only)",
 }
 COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm": "tab:orange",
           "verifier+outcome": "tab:olive", "mc+outcome": "tab:purple",

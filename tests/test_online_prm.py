@@ -91,7 +91,7 @@ def test_online_prm_specs(prm_and_tokenizer, tmp_path):
     save_prm(prm, tokenizer, tmp_path / "prm")
     plain = build_step_scorer(f"online-prm:{tmp_path / 'prm'}")
     assert isinstance(plain, OnlinePRMStepScorer)
-    assert isinstance(plain.labeler, VerifierStepScorer)
+    assert isinstance(plain.labeler, VerifierStepScorer) and plain.labeler.think_only
     outcome = build_step_scorer(f"online-prm-outcome:{tmp_path / 'prm'}")
     assert isinstance(outcome.labeler, OutcomeStepLabeler)
 
