@@ -8,8 +8,8 @@ Examples:
 
 import sys
 
+from reasoning_from_scratch.cli.train import run_cli
 from reasoning_from_scratch.training import CHAPTER6_RECIPE, GRPOConfig
-from reasoning_from_scratch.training_cli import run_cli
 
 # Chapter 6's algorithm (see CHAPTER6_RECIPE): the book's sequence loss, no clipping, no KL,
 # correctness reward only.

@@ -11,8 +11,8 @@ Examples:
 
 import sys
 
+from reasoning_from_scratch.cli.train import run_cli
 from reasoning_from_scratch.training import GRPOConfig
-from reasoning_from_scratch.training_cli import run_cli
 
 CH07_DEFAULTS = GRPOConfig()  # the library defaults are the chapter 7 recipe
 

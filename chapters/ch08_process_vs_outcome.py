@@ -4,8 +4,8 @@ Trains the same base model with the same GRPO settings several ways (arms: outco
 prm, verifier+outcome, mc+outcome), several seeds each, evaluates checkpoints along the way and
 writes a table (results.md, results.json) and a figure (process_vs_outcome.png) comparing them at
 equal training steps and at equal generated tokens. The experiment, its arms and the table's
-columns are described in reasoning_from_scratch/supervision_experiment.py; this script parses the
-flags and calls its `run_experiment`.
+columns are described in reasoning_from_scratch/experiments/process_vs_outcome.py; this
+script parses the flags and calls its `run_experiment`.
 
 Examples:
     python chapters/ch08_process_vs_outcome.py                     # the full experiment
@@ -19,19 +19,19 @@ import sys
 
 import torch
 
+from reasoning_from_scratch.cli.train import (
+    add_config_arguments,
+    add_data_arguments,
+    add_runtime_arguments,
+)
 from reasoning_from_scratch.distributed import refuse_multiple_processes
-from reasoning_from_scratch.supervision_experiment import (
+from reasoning_from_scratch.experiments.process_vs_outcome import (
     ARMS,
     DEFAULT_ARMS,
     PER_RUN,
     run_experiment,
 )
 from reasoning_from_scratch.training import GRPOConfig
-from reasoning_from_scratch.training_cli import (
-    add_config_arguments,
-    add_data_arguments,
-    add_runtime_arguments,
-)
 from reasoning_from_scratch.validation import (
     choice_list,
     optional_positive_int,
@@ -55,7 +55,7 @@ def build_parser():
                    help="base model of every run (and of the PRM trained for the prm arm)")
     p.add_argument("--arms", type=choice_list(ARMS), default=DEFAULT_ARMS,
                    help="comma-separated arms: " + ", ".join(ARMS)
-                   + " (see reasoning_from_scratch/supervision_experiment.py)")
+                   + " (see reasoning_from_scratch/experiments/process_vs_outcome.py)")
     p.add_argument("--seeds", type=seed_list, default="0,1,2",
                    help="comma-separated seeds, one run per arm each")
     p.add_argument("--eval-points", type=positive_int, default=4,

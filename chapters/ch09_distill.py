@@ -15,7 +15,7 @@ Examples:
 
 import sys
 
-from reasoning_from_scratch.distillation_cli import run_distill_cli
+from reasoning_from_scratch.cli.distill import run_distill_cli
 
 
 def main(argv=None):

@@ -1,6 +1,11 @@
 """Chapter 5 index: best-of-N with confidence, verifiers and PRMs, PRM-guided beam search and
 self-refinement, and the accuracy-vs-tokens measurement (imports only)."""
 
+from .experiments.inference_scaling import (
+    plot_inference_scaling,
+    run_scaling_experiment,
+    scaling_table,
+)
 from .inference_scaling import (
     BlindVerifierScorer,
     ConfidenceStepScorer,
@@ -13,11 +18,6 @@ from .inference_scaling import (
     oracle_scorer,
     select_best,
     weighted_majority_vote,
-)
-from .inference_scaling_experiment import (
-    plot_inference_scaling,
-    run_scaling_experiment,
-    scaling_table,
 )
 from .prm import PRMStepScorer, load_prm, train_prm_on_arithmetic
 from .search import (

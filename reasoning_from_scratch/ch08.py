@@ -1,6 +1,12 @@
 """Chapter 8 index: process supervision (steps, scorers, PRM, outcome vs process; imports only)."""
 
 from .arithmetic import first_error_step, parse_steps, verify_steps
+from .experiments.process_vs_outcome import (
+    plot_process_vs_outcome,
+    run_experiment,
+    summarise,
+    write_table,
+)
 from .prm import (
     PRMStepScorer,
     ProcessRewardModel,
@@ -17,9 +23,3 @@ from .process_supervision import (
     process_token_advantages,
 )
 from .step_scorers import MonteCarloStepScorer, StepScorer, VerifierStepScorer
-from .supervision_experiment import (
-    plot_process_vs_outcome,
-    run_experiment,
-    summarise,
-    write_table,
-)

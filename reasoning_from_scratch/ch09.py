@@ -8,6 +8,6 @@ from .distillation import (
     verify_trace,
     write_traces,
 )
-from .distillation_experiment import run_distill_vs_rl
 from .distillation_training import DistillConfig, split_traces, train_distillation
+from .experiments.distill_vs_rl import run_distill_vs_rl
 from .sft import collate, completion_loss, train_sft

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from reasoning_from_scratch import training, training_cli
+from reasoning_from_scratch import training
 from reasoning_from_scratch.checkpoints import find_checkpoint
+from reasoning_from_scratch.cli import train as training_cli
 from reasoning_from_scratch.grpo import (
     batch_logprobs,
     collect_rollouts,

@@ -27,11 +27,11 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .arithmetic import parse_problem
-from .files import atomic_path
-from .generation import generate_batch, sample_rollouts_batch
-from .grading import grade_answer
-from .inference_scaling import (
+from ..arithmetic import parse_problem
+from ..files import atomic_path
+from ..generation import generate_batch, sample_rollouts_batch
+from ..grading import grade_answer
+from ..inference_scaling import (
     AGGREGATES,
     BlindVerifierScorer,
     ConfidenceStepScorer,
@@ -44,9 +44,9 @@ from .inference_scaling import (
     select_best,
     weighted_majority_vote,
 )
-from .prm import PRMStepScorer
-from .prompts import render_prompt
-from .search import StepScoreCritic, run_refinement, step_beam_search
+from ..prm import PRMStepScorer
+from ..prompts import render_prompt
+from ..search import StepScoreCritic, run_refinement, step_beam_search
 
 SAMPLING_METHODS = ("majority", "logprob", "verifier", "prm", "prm-vote")
 SEARCH_METHODS = ("beam-prm", "beam-verifier", "refine-verifier", "refine-prm", "refine-self")

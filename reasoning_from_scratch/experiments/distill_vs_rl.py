@@ -28,10 +28,14 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .distillation import generate_distillation_data, read_traces, write_traces
-from .distillation_training import DistillConfig, train_distillation
-from .evaluation import evaluate_policy
-from .experiments import (
+from ..distillation import generate_distillation_data, read_traces, write_traces
+from ..distillation_training import DistillConfig, train_distillation
+from ..evaluation import evaluate_policy
+from ..files import atomic_write_json, read_json
+from ..run_log import read_metrics
+from ..training import GRPOConfig, train_grpo
+from ..weights import load_pretrained
+from .stats import (
     SETTINGS_FILE,
     format_pm,
     format_value,
@@ -40,10 +44,6 @@ from .experiments import (
     settings_diff,
     stat,
 )
-from .files import atomic_write_json, read_json
-from .run_log import read_metrics
-from .training import GRPOConfig, train_grpo
-from .weights import load_pretrained
 
 EXPERIMENT_ARMS = ("distill", "self_distill", "grpo")
 # The experiment's settings (the chapter 9 script's defaults): what decides a run's result.

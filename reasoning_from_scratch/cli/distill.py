@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import (
+from ..checkpoints import (
     check_new_run_dir,
     checkpoint_problem,
     find_checkpoint,
@@ -31,21 +31,21 @@ from .checkpoints import (
     run_contents,
     run_dir_of,
 )
-from .datasets import DATASET_NAMES
-from .device import check_device, get_device
-from .distillation import filter_traces, generate_distillation_data, read_traces, write_traces
-from .distillation_training import (
+from ..datasets import DATASET_NAMES
+from ..device import check_device, get_device
+from ..distillation import filter_traces, generate_distillation_data, read_traces, write_traces
+from ..distillation_training import (
     DISTILL_RULES,
     DistillConfig,
     train_distillation,
 )
-from .distributed import refuse_multiple_processes
-from .evaluation import evaluate_policy
-from .files import atomic_write_json, read_json
-from .training import GRPOConfig
-from .training_cli import add_data_arguments, add_runtime_arguments, load_grpo_data, run_cli
-from .validation import arg_type, non_negative_float, positive_int, probability_float
-from .weights import load_pretrained
+from ..distributed import refuse_multiple_processes
+from ..evaluation import evaluate_policy
+from ..files import atomic_write_json, read_json
+from ..training import GRPOConfig
+from ..validation import arg_type, non_negative_float, positive_int, probability_float
+from ..weights import load_pretrained
+from .train import add_data_arguments, add_runtime_arguments, load_grpo_data, run_cli
 
 TEACHER_RUN_DIR = "runs/ch07-teacher"
 TRACES_FILE = "traces.jsonl"

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import check_new_run_dir, find_checkpoint, read_trainer_state, run_dir_of
-from .datasets import DATASET_NAMES, load_dataset_by_name
-from .device import check_device, device_arg, get_device
-from .distributed import (
+from ..checkpoints import check_new_run_dir, find_checkpoint, read_trainer_state, run_dir_of
+from ..datasets import DATASET_NAMES, load_dataset_by_name
+from ..device import check_device, device_arg, get_device
+from ..distributed import (
     env_world_size,
     init_distributed,
     is_main,
@@ -35,12 +35,12 @@ from .distributed import (
     shutdown_distributed,
     world_size,
 )
-from .files import atomic_write_json
-from .grpo import KL_ESTIMATORS, LOSS_TYPES, REWARD_NORMALIZATIONS, SCALE_REWARDS
-from .process import VARIANTS
-from .training import CONFIG_RULES, DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
-from .validation import arg_type, at_least, optional_positive_int
-from .weights import load_pretrained
+from ..files import atomic_write_json
+from ..grpo import KL_ESTIMATORS, LOSS_TYPES, REWARD_NORMALIZATIONS, SCALE_REWARDS
+from ..process import VARIANTS
+from ..training import CONFIG_RULES, DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
+from ..validation import arg_type, at_least, optional_positive_int
+from ..weights import load_pretrained
 
 CONFIG_HELP = {
     "steps": "optimizer steps (each: rollouts for prompts-per-step prompts, then the update(s))",

@@ -67,9 +67,15 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .device import get_device
-from .evaluation import evaluate_policy
-from .experiments import (
+from ..cli.train import load_grpo_data
+from ..device import get_device
+from ..evaluation import evaluate_policy
+from ..files import atomic_write_json
+from ..prm import train_prm_on_arithmetic
+from ..run_log import read_metrics
+from ..training import GRPOConfig, train_grpo
+from ..weights import load_pretrained
+from .stats import (
     SETTINGS_FILE,
     format_pm,
     jsonable,
@@ -78,13 +84,7 @@ from .experiments import (
     settings_diff,
     stat,
 )
-from .experiments import format_value as _opt  # short: the table lines are long
-from .files import atomic_write_json
-from .prm import train_prm_on_arithmetic
-from .run_log import read_metrics
-from .training import GRPOConfig, train_grpo
-from .training_cli import load_grpo_data
-from .weights import load_pretrained
+from .stats import format_value as _opt  # short: the table lines are long
 
 # arm -> (step scorer spec, process variant; None = --process-variant); "prm" gets its path later
 ARMS = {
