@@ -345,11 +345,15 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None):
             float(mb.completion_mask.sum()) / max(1.0, tokens)
         sl = slice(start, start + mbs)
         out = grpo_loss_on_batch(
-            model, mb, None if old_logp is None else old_logp[sl],
-            None if ref_logp is None else ref_logp[sl], config.loss_type, config.epsilon,
-            config.epsilon_high, config.beta, config.entropy_coef, config.max_new_tokens,
-            config.chunk_size, config.temperature, mb.sampler_logp, config.tis_cap,
-            config.off_policy_mask_threshold, config.kl_estimator,
+            model, mb,
+            old_logp=None if old_logp is None else old_logp[sl],
+            ref_logp=None if ref_logp is None else ref_logp[sl],
+            loss_type=config.loss_type, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
+            beta=config.beta, entropy_coef=config.entropy_coef,
+            max_completion_length=config.max_new_tokens, chunk_size=config.chunk_size,
+            temperature=config.temperature, sampler_logp=mb.sampler_logp,
+            tis_cap=config.tis_cap, off_policy_mask_threshold=config.off_policy_mask_threshold,
+            kl_estimator=config.kl_estimator,
         )
         loss = out.pop("loss")
         if not torch.isfinite(loss):
@@ -518,11 +522,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
         run_on_main(_prepare_new_run_dir, out, overwrite)
     hook = phase_hook or (lambda phase, step: None)
     if config.supervision == "process" and advantage_fn is None:
-        advantage_fn = make_process_advantage_fn(
-            tokenizer, config.step_scorer, config.process_variant, config.step_split,
-            model=model, device=device, mc_rollouts=config.mc_rollouts,
-            mc_max_new_tokens=config.max_new_tokens, mc_temperature=config.temperature,
-        )
+        advantage_fn = _process_advantage_fn(model, tokenizer, device, config)
     t_start = time.time()
     if reward_fn is None:
         reward_fn = build_reward(tokenizer, config.format_reward_weight,
@@ -566,26 +566,20 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                 _stop_if_interrupted(interrupted)
                 _evaluate_step(run, evaluate_now, hook)
             while run.completed < config.steps:
-                _stop_if_interrupted(interrupted)
                 step = run.completed
+                # Stages 1-3: rollouts, rewards, advantages (grpo.collect_rollouts)
+                _stop_if_interrupted(interrupted)
                 hook("rollouts", step + 1)
                 batch, cost = _rollouts(model, tokenizer, train_examples, device, config,
                                         reward_fn, advantage_fn, prompt_fn, step)
                 _stop_if_interrupted(interrupted)
                 with defer_interrupts():  # the update, its row and its samples: all or nothing
+                    # Stages 4-5: log-probs and the update (grpo.grpo_loss_on_batch)
                     row = _apply_update(model, optimizer, batch, config, ref_model,
                                         reward_names, step, cost, hook)
-                    run.log_step(row, batch.samples)
-                    run.completed = step + 1
-                    run.eval_pending = bool(config.eval_every and run.completed
-                                            % config.eval_every == 0
-                                            and run.completed < config.steps)
-                    run.bad_steps = run.bad_steps + 1 if row["skipped"] else 0
-                bar.update(1)
-                bar.set_postfix(reward=f"{row['reward_mean']:.2f}",
-                                correct=f"{row.get('correct_mean', 0):.2f}",
-                                acc=f"{run.last_eval['accuracy']:.2f}")
-                _print(config, _row_line(row))
+                    # Stage 6: log
+                    _log_step(run, row, batch.samples)
+                _show_step(bar, run, row)
                 if run.bad_steps >= MAX_BAD_STEPS:
                     _stop_after_bad_steps(run)
                 if run.eval_pending:
@@ -622,6 +616,34 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     _print(config, f"held-out before: {_eval_line(run.base)}\nheld-out after:  "
                    f"{_eval_line(final)}\nwrote {out}")
     return summary
+
+
+def _process_advantage_fn(model, tokenizer, device, config):
+    """Process supervision's token advantages from the config's step scorer (DeepSeekMath
+    section 4.1.3); "mc" continues with the policy being trained."""
+    return make_process_advantage_fn(
+        tokenizer, config.step_scorer, config.process_variant, config.step_split,
+        model=model, device=device, mc_rollouts=config.mc_rollouts,
+        mc_max_new_tokens=config.max_new_tokens, mc_temperature=config.temperature,
+    )
+
+
+def _log_step(run, row, samples):
+    """Write the step's metrics row and samples and advance the run's counters."""
+    config = run.config
+    run.log_step(row, samples)
+    run.completed = row["step"]
+    run.eval_pending = bool(config.eval_every and run.completed % config.eval_every == 0
+                            and run.completed < config.steps)
+    run.bad_steps = run.bad_steps + 1 if row["skipped"] else 0
+
+
+def _show_step(bar, run, row):
+    """Progress bar and the printed line of a finished step (rank 0 with progress on)."""
+    bar.update(1)
+    bar.set_postfix(reward=f"{row['reward_mean']:.2f}", correct=f"{row.get('correct_mean', 0):.2f}",
+                    acc=f"{run.last_eval['accuracy']:.2f}")
+    _print(run.config, _row_line(row))
 
 
 def _prepare_new_run_dir(out, overwrite):
@@ -790,12 +812,14 @@ def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step
     row = {"step": step + 1, "lr": lr, **rollout_metrics(batch, reward_names)}
     totals = global_totals(batch)  # a process may hold no rows while others do
     if totals[0]:
+        # Stage 4: log-probs of the frozen reference and (inner epochs) of the sampling policy
         with torch.no_grad():
             ref_logp = old_logp = None
             if ref_model is not None:
                 ref_logp = _logprobs_no_grad(ref_model, batch, config)
             if config.inner_epochs > 1:  # the sampling policy's log-probs, computed once
                 old_logp = _logprobs_no_grad(model, batch, config)
+        # Stage 5: the update(s): loss, backward, clip, AdamW step
         model.train()
         epochs = [_update(model, optimizer, batch, old_logp, ref_logp, config, totals)
                   for _ in range(config.inner_epochs)]
