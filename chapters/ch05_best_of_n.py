@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from reasoning_from_scratch.datasets import add_dataset_arguments, load_examples_from_args
+from reasoning_from_scratch.datasets import add_dataset_arguments, load_examples_or_exit
 from reasoning_from_scratch.device import device_arg, get_device
 from reasoning_from_scratch.experiments.inference_scaling import (
     METHODS,
@@ -165,7 +165,8 @@ def main(argv=None):
             parser.error(f"--beam-ns: {err}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    examples = load_examples_from_args(args, args.limit)
+    examples = load_examples_or_exit(args.dataset, args.split, args.data_path,
+                                     args.cache_dir, args.limit)
     device = get_device(args.device)
     out = Path(args.output_dir)
     start = time.perf_counter()

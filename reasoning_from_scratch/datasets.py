@@ -306,11 +306,10 @@ def add_dataset_arguments(parser, dataset_help="evaluation set (math = the 12k M
                              "~/.cache/reasoning_from_scratch)")
 
 
-def load_examples_from_args(args, n=None):
-    """The first `n` examples the `add_dataset_arguments` flags name; a bad file or split exits
-    with one line (SystemExit), not a traceback."""
+def load_examples_or_exit(dataset, split=None, path=None, cache_dir=None, n=None):
+    """The first `n` examples of the set the `add_dataset_arguments` flags name; a bad file or
+    split exits with one line (SystemExit), not a traceback."""
     try:
-        return load_dataset_by_name(args.dataset, split=args.split, path=args.data_path,
-                                    cache_dir=args.cache_dir, n=n)
+        return load_dataset_by_name(dataset, split=split, path=path, cache_dir=cache_dir, n=n)
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"error: {err}") from None

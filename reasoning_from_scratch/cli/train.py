@@ -111,22 +111,24 @@ OPTIONAL_TYPES = {"epsilon": float, "epsilon_high": float, "micro_batch_size": i
                   "eval_max_new_tokens": int, "tis_cap": float, "off_policy_mask_threshold": float}
 
 
-def add_config_arguments(parser, defaults: GRPOConfig):
-    """One `--dashed-flag` per GRPOConfig field, with help text, defaults and range checks."""
+def add_config_arguments(parser, defaults: GRPOConfig, helps: dict | None = None):
+    """One `--dashed-flag` per GRPOConfig field, with help text, defaults and range checks;
+    `helps` replaces the help of some fields (a script that uses them differently)."""
+    helps = {**CONFIG_HELP, **(helps or {})}
     for f in fields(GRPOConfig):
         if f.name == "output_dir":
             continue  # the scripts add it with a timestamped default
         flag, default = "--" + f.name.replace("_", "-"), getattr(defaults, f.name)
         if isinstance(default, bool):
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
-                                help=CONFIG_HELP[f.name])
+                                help=helps[f.name])
             continue
         kind = OPTIONAL_TYPES.get(f.name, type(default))
         value_type = kind
         if kind in (int, float):
             value_type = arg_type(kind, CONFIG_RULES.get(f.name), f.name in OPTIONAL_TYPES)
         parser.add_argument(flag, type=value_type, default=default, choices=CHOICES.get(f.name),
-                            help=CONFIG_HELP[f.name])
+                            help=helps[f.name])
 
 
 def add_data_arguments(parser):
