@@ -116,7 +116,7 @@ PLOT_COLUMNS = ["reward_mean", "correct_mean", "format_mean", "eval_accuracy",
 
 # The chapter 7 default mix of difficulty levels 1-5 in the arithmetic training problems: more of
 # the levels where the base model still errs, where a group's rollouts disagree and RL has a
-# signal (the held-out splits stay uniform). See the README's recipe search.
+# signal (the held-out splits stay uniform). See docs/grpo.md's recipe search.
 DEFAULT_TRAIN_LEVEL_WEIGHTS = (1.0, 1.0, 2.0, 2.0, 2.0)
 
 
@@ -142,7 +142,7 @@ class GRPOConfig:
     (cli/train.py) and the checks are built from them.
 
     Searched on the arithmetic val split (200 problems, greedy strict accuracy 0.255 before
-    training; the table is in the README): 16 prompts x 8 rollouts per step beat 8 x 16 and 8 x 8,
+    training; the table is in docs/grpo.md): 16 prompts x 8 rollouts per step beat 8 x 16 and 8 x 8,
     lr 1e-4 matched 2e-4 with less drift, and training problems weighted towards levels 3-5
     (DEFAULT_TRAIN_LEVEL_WEIGHTS) raised accuracy among think answers and step correctness where
     uniform levels left them flat. 112 new tokens fit the longest (level 5) solutions. For

@@ -1,5 +1,5 @@
 """The command-line scripts: every `--help` runs; the chapter 8 experiment (summary, table and
-figure from `supervision_experiment`; the script end to end, tiny)."""
+figure from `experiments.process_vs_outcome`; the script end to end, tiny)."""
 
 import argparse
 import json

@@ -17,7 +17,7 @@ seconds; the comparison reads GRPO's curve at the distillation run's total cost 
 wall-clock"). The teacher's own training (chapter 7's default run) is not charged to the
 distillation arm, as R1 did not charge its 671B teacher: the question is what a given budget
 buys the *student*. Runs are reused when finished and resumed when interrupted
-(`experiments.resume_point`).
+(`stats.resume_point`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ over the last 20% of steps (samples.jsonl; length bias), clip fraction (low + hi
 steps), mean KL over the last 10 steps, training seconds (the trainer's step times). The table
 (`write_comparison_table`) has mean +- sd over seeds; `plot_comparison` draws accuracy and
 entropy per arm.
-Runs are resumable and reused like chapter 8's (`experiments.resume_point`).
+Runs are resumable and reused like chapter 8's (`stats.resume_point`).
 """
 
 from __future__ import annotations

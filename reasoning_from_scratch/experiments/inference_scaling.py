@@ -14,8 +14,9 @@ For one model and a held-out set, `run_scaling_experiment`:
 4. runs self-refinement once with the largest round limit and reads every smaller limit off its
    history (the rounds before the limit are exactly what a run with that limit does).
 
-`scaling_table` writes the README table and `plot_inference_scaling` the figure (one panel per
-model, accuracy vs generated tokens per problem, greedy and pass@N as reference lines).
+`scaling_table` writes the table of docs/inference_scaling.md and `plot_inference_scaling` the
+figure (one panel per model, accuracy vs generated tokens per problem, greedy and pass@N as
+reference lines).
 """
 
 from __future__ import annotations

@@ -396,7 +396,7 @@ def _fmt_tokens(row):
 
 
 def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
-    """results.md: the table for the README, with the definitions under it."""
+    """results.md: the table of docs/process_vs_outcome.md, with the definitions under it."""
     rows, target, budget = summary["rows"], summary["target"], summary["token_budget"]
     lines = [
         "| supervision | seeds | final accuracy | step correctness | right answer, wrong step | "
