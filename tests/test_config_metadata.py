@@ -1,5 +1,6 @@
-"""One home per config field: every GRPOConfig field carries its help, range and choices in its
-metadata, and the scripts' --help shows exactly that help, the field's default and choices."""
+"""One home per config field: every GRPOConfig and DistillConfig field carries its help, range
+and choices in its metadata, and the scripts' --help shows exactly that help, the field's default
+and choices."""
 
 import re
 import runpy
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from reasoning_from_scratch.distillation_training import DISTILL_RULES, DistillConfig
 from reasoning_from_scratch.training import CONFIG_RULES, GRPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,3 +80,17 @@ def test_the_metadata_range_and_choices_refuse_bad_flags(name, bad, capsys):
     assert "--" + name.replace("_", "-") in capsys.readouterr().err
     with pytest.raises(ValueError, match=name):  # the config refuses the same value itself
         GRPOConfig(**{name: {"1": 1, "1.5": 1.5, "0": 0.0, "ppo": "ppo", "2": 2.0}[bad]})
+
+
+def test_distill_help_shows_the_distill_config_metadata(capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["ch09_distill.py"])
+    entries, _ = _script_help("ch09_distill", capsys)
+    for f in fields(DistillConfig):
+        if f.name == "progress":  # --no-progress
+            continue
+        shown = re.sub(r"\s+", "", entries["--" + f.name.replace("_", "-")])
+        assert shown.startswith(re.sub(r"\s+", "", f.metadata["help"])), f.name
+        default = None if f.name == "output_dir" else f.default  # runs/ch09-<time>
+        assert shown.endswith(f"(default:{default})"), (f.name, shown)
+    assert DISTILL_RULES == {f.name: f.metadata["rule"] for f in fields(DistillConfig)
+                             if f.metadata["rule"] is not None}

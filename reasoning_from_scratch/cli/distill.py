@@ -49,25 +49,8 @@ from .train import add_data_arguments, add_runtime_arguments, load_grpo_data, ru
 
 TEACHER_RUN_DIR = "runs/ch07-teacher"
 TRACES_FILE = "traces.jsonl"
-DISTILL_HELP = {
-    "steps": "SFT updates of the student",
-    "batch_size": "traces per update",
-    "lr": "peak AdamW learning rate (linear warmup, cosine decay)",
-    "warmup": "updates of linear learning-rate warmup",
-    "weight_decay": "AdamW weight decay of the weight matrices",
-    "grad_clip": "clip the gradient norm to this value",
-    "min_lr_ratio": "the cosine decay ends at lr x this",
-    "val_fraction": "fraction of the traced problems held back for the validation loss",
-    "eval_every": "evaluate every N updates (0: only before and after training)",
-    "eval_examples": "held-out problems evaluated (the first N)",
-    "eval_max_new_tokens": "maximum generated tokens per evaluation answer",
-    "eval_batch_size": "problems per evaluation batch",
-    "checkpoint_every": "save a resumable checkpoint every N updates (0: the final one only, "
-                        "and one on Ctrl-C)",
-    "seed": "seed of the teacher sampling, the trace split and the batch order",
-    "output_dir": "run directory (traces, metrics, checkpoints, summary; None: "
-                  "runs/ch09-<time>)",
-}
+# Help and range of every DistillConfig field live in its metadata (distillation_training.py)
+DISTILL_HELP = {f.name: f.metadata["help"] for f in fields(DistillConfig)}
 
 
 def add_teacher_arguments(parser) -> None:
