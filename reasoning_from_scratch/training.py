@@ -633,32 +633,45 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                         hook("checkpoint", run.completed)
                         run.checkpoint()
             bar.close()
-            _stop_if_interrupted(interrupted)
-            hook("final_eval", run.completed)
-            final = evaluate_now()
-            _stop_if_interrupted(interrupted)
-            if world > 1:  # the replicas must have made identical updates
-                check_same_on_all_ranks(params_checksum(model.parameters()), "model weights")
-            with defer_interrupts():
-                hook("final_save", run.completed)
-                run.last_eval = final
-                run.log_eval(final)
-                run.checkpoint("final")
-                summary = _summary(run, final, len(eval_set), time.time() - t_start)
-                run_on_main(_write_summary, out, summary)
+            final, summary = _finish(run, evaluate_now, interrupted, hook, len(eval_set),
+                                     t_start)
         except KeyboardInterrupt:
             bar.close()
-            with defer_interrupts():
-                path = run.checkpoint()
-            if run.main:  # printed even without progress output
-                tqdm.write(f"interrupted: {path} holds {run.completed} update(s); continue "
-                           f"with --resume {out}")
-            barrier()  # no process exits (and makes torchrun stop the others) before the save
+            _save_interrupted(run)
             raise
     barrier()  # every file is written when any process returns
     _print(config, f"held-out before: {_eval_line(run.base)}\nheld-out after:  "
                    f"{_eval_line(final)}\nwrote {out}")
     return summary
+
+
+def _finish(run, evaluate_now, interrupted, hook, eval_examples, t_start):
+    """The final evaluation, checkpoint and summary.json once every step is done; returns
+    (final figures, summary)."""
+    _stop_if_interrupted(interrupted)
+    hook("final_eval", run.completed)
+    final = evaluate_now()
+    _stop_if_interrupted(interrupted)
+    if world_size() > 1:  # the replicas must have made identical updates
+        check_same_on_all_ranks(params_checksum(run.model.parameters()), "model weights")
+    with defer_interrupts():
+        hook("final_save", run.completed)
+        run.last_eval = final
+        run.log_eval(final)
+        run.checkpoint("final")
+        summary = _summary(run, final, eval_examples, time.time() - t_start)
+        run_on_main(_write_summary, run.out, summary)
+    return final, summary
+
+
+def _save_interrupted(run):
+    """Ctrl-C: checkpoint the completed updates and say how to continue (every process)."""
+    with defer_interrupts():
+        path = run.checkpoint()
+    if run.main:  # printed even without progress output
+        tqdm.write(f"interrupted: {path} holds {run.completed} update(s); continue "
+                   f"with --resume {run.out}")
+    barrier()  # no process exits (and makes torchrun stop the others) before the save
 
 
 def _process_advantage_fn(model, tokenizer, device, config):
@@ -780,11 +793,14 @@ def _rollouts(model, tokenizer, examples, device, config, reward_fn, advantage_f
         prompts = step_prompts(examples, step, config) if r == 0 else \
             extra_prompts(examples, step, r, config)
         batch = collect_rollouts(
-            model, tokenizer, prompts[start:stop], device, reward_fn, G,
-            config.max_new_tokens, config.temperature, config.top_p,
-            rollout_generators(device, config.seed, step, range(r * P + start, r * P + stop)),
-            config.scale_rewards, config.skip_zero_advantage or config.dynamic_sampling,
-            config.mask_truncated, prompt_fn, advantage_fn,
+            model, tokenizer, prompts[start:stop], device, reward_fn, num_rollouts=G,
+            max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+            top_p=config.top_p,
+            generator=rollout_generators(device, config.seed, step,
+                                         range(r * P + start, r * P + stop)),
+            scale_rewards=config.scale_rewards,
+            skip_zero_advantage=config.skip_zero_advantage or config.dynamic_sampling,
+            mask_truncated=config.mask_truncated, prompt_fn=prompt_fn, advantage_fn=advantage_fn,
             record_logprobs=config.tis_cap is not None
             or config.off_policy_mask_threshold is not None,
             reward_normalization=config.reward_normalization, gather_groups=gather_groups,
