@@ -1,4 +1,5 @@
-"""Chapter 9 index: distillation (teacher traces, rejection sampling, SFT; imports only)."""
+"""Chapter 9 index: distillation (teacher traces, rejection sampling, SFT; imports only). Also
+the book's names for this chapter (docs/book_compatibility.md)."""
 
 from .distillation import (
     filter_traces,
@@ -10,4 +11,5 @@ from .distillation import (
 )
 from .distillation_experiment import run_distill_vs_rl
 from .distillation_training import DistillConfig, split_traces, train_distillation
+from .downloads import download_qwen3_distill_checkpoints
 from .sft import collate, completion_loss, train_sft
