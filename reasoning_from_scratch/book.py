@@ -81,13 +81,14 @@ def generate_text_top_p_stream_cache(model, token_ids, max_new_tokens, eos_token
     cache = KVCache(n_layers=model.cfg["n_layers"])
     model.reset_kv_cache()
     logits = model(token_ids, cache=cache)[:, -1]  # (1, V)
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         token = sample_next_token(logits, temperature, 1.0 if top_p is None else top_p)
         token = token[:, None].to(token_ids.device)  # (1, 1)
         if _stop(token, eos_token_id):
             break
         yield token
-        logits = model(token, cache=cache)[:, -1]
+        if step + 1 < max_new_tokens:  # the last token is never fed back
+            logits = model(token, cache=cache)[:, -1]
 
 
 def generate_text_temp_stream_cache(model, token_ids, max_new_tokens, eos_token_id=None,
