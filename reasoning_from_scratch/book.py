@@ -346,6 +346,54 @@ def make_refine_prompt(raw_prompt, draft, critique) -> str:
     )
 
 
+def self_critique_loop(model, tokenizer, raw_prompt, device, iterations=2,
+                       max_response_tokens=2048, max_critique_tokens=256, score_fn=None,
+                       prompt_renderer=render_prompt, prompt_suffix="", verbose=False,
+                       temperature=0.7, top_p=0.9) -> dict:
+    """The book's chapter 5 self-refinement: the model critiques its own draft and rewrites it.
+
+    A draft is sampled for ``prompt_renderer(raw_prompt) + prompt_suffix``; each iteration
+    samples a critique (`make_critique_prompt`) and a revision (`make_refine_prompt`), and the
+    revision replaces the draft when ``score_fn(answer=..., prompt=...)`` does not drop (no
+    `score_fn`: every score is 0, so every revision is kept). Returns final_full,
+    final_extracted and steps (iteration, draft_full, draft_extracted, critique, revised_full,
+    revised_extracted, score_before, score_after). The book calls this `self_refinement_loop`;
+    here that name is the step-critic loop of `search` (docs/book_compatibility.md).
+    """
+    prompt = prompt_renderer(raw_prompt) + prompt_suffix
+
+    def sample(text, max_new_tokens):
+        return generate_text_stream_concat_flex(
+            model, tokenizer, text, device, max_new_tokens,
+            generate_func=generate_text_top_p_stream_cache, temperature=temperature,
+            top_p=top_p)
+
+    def score(answer):
+        return score_fn(answer=answer, prompt=prompt) if score_fn else 0.0
+
+    current = sample(prompt, max_response_tokens)
+    current_score = score(current)
+    steps = []
+    for it in range(1, iterations + 1):
+        critique = sample(make_critique_prompt(raw_prompt, current), max_critique_tokens)
+        revised = sample(make_refine_prompt(raw_prompt, current, critique), max_response_tokens)
+        revised_score = score(revised)  # scored against the original prompt
+        steps.append({
+            "iteration": it, "draft_full": current,
+            "draft_extracted": extract_final_candidate(current), "critique": critique,
+            "revised_full": revised, "revised_extracted": extract_final_candidate(revised),
+            "score_before": current_score, "score_after": revised_score,
+        })
+        if verbose:
+            print(f"[Refinement {it}/{iterations}]\nCurrent: {steps[-1]['draft_extracted']}"
+                  f"\nRevised: {steps[-1]['revised_extracted']}\nScore before: "
+                  f"{current_score:.3f}\nScore after: {revised_score:.3f}\n{'=' * 25}")
+        if revised_score >= current_score:  # keep a revision that is not worse
+            current, current_score = revised, revised_score
+    return {"final_full": current, "final_extracted": extract_final_candidate(current),
+            "steps": steps}
+
+
 # --------------------------------------------------------------------------------------
 # Chapter 6: checkpoints and metrics of the book's GRPO runs
 # --------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from .book import (
     heuristic_score,
     make_critique_prompt,
     make_refine_prompt,
+    self_critique_loop,
 )
 from .grading import extract_final_candidate
 from .inference_scaling import (

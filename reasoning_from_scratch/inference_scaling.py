@@ -40,7 +40,7 @@ from .grading import (
     normalize_text,
     reward_rlvr,
 )
-from .grpo import token_logprobs_and_entropy
+from .grpo import sequence_logprob
 from .prm import PRMStepScorer, encode_steps, score_steps_batch
 from .process import split_steps, step_texts
 from .step_scorers import StepScorer, as_step_scorer
@@ -276,22 +276,21 @@ def self_consistency_vote_batch(model, tokenizer, prompts: Sequence[str], device
 
 
 @torch.no_grad()
-def avg_logprob_answer(model, tokenizer, prompt: str, answer: str, device) -> float:
+def avg_logprob_answer(model, tokenizer, prompt: str, answer: str, device="cpu") -> float:
     """Mean log-probability of the tokens of `answer` after `prompt` (the book's confidence).
 
     Prompt and answer are encoded separately and concatenated (the book's convention); the
-    log-probs come from one forward pass (`grpo.token_logprobs_and_entropy`) at temperature 1,
-    the model's own distribution. -inf for an empty answer (never preferred).
+    log-probs come from one plain forward pass, ``model(ids)`` (`grpo.sequence_logprob`), at
+    temperature 1, the model's own distribution. -inf for an empty answer (never preferred).
     """
     prompt_ids, answer_ids = tokenizer.encode(prompt), tokenizer.encode(answer)
     if not answer_ids:
         return float("-inf")
     if not prompt_ids:
         raise ValueError("the prompt encodes to zero tokens")
-    ids = torch.tensor([prompt_ids + answer_ids], dtype=torch.long, device=device)  # (1, L)
-    logp, _ = token_logprobs_and_entropy(model, ids, prompt_len=len(prompt_ids),
-                                         with_entropy=False)  # (1, Tc)
-    return float(logp.mean())
+    ids = torch.tensor(prompt_ids + answer_ids, dtype=torch.long, device=device)  # (L,)
+    with torch.no_grad():
+        return float(sequence_logprob(model, ids, len(prompt_ids))) / len(answer_ids)
 
 
 def mean_logprobs(rollouts: Rollouts) -> list[float]:

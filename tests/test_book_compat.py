@@ -358,12 +358,52 @@ def test_scale_logits_and_heuristic_score():
         0.5 + 1.5 * math.exp(-1))
 
 
+def test_avg_logprob_answer_needs_only_model_of_ids():
+    class Tok:
+        def encode(self, text):
+            return {"p": [0, 1], "a": [2, 1]}[text]
+
+    class Plain:  # the book's minimal model: logits (1, T, 3) from token ids only
+        def __call__(self, ids):
+            return torch.tensor([0.0, 1.0, 2.0]).repeat(1, ids.shape[1], 1)
+
+    logp = torch.log_softmax(torch.tensor([0.0, 1.0, 2.0]), dim=-1)
+    expected = float(logp[2] + logp[1]) / 2
+    assert ch05.avg_logprob_answer(Plain(), Tok(), "p", "a") == pytest.approx(expected)
+
+
 def test_refinement_prompts_hold_their_parts():
     c = ch05.make_critique_prompt("Q?", "draft")
     assert "Question:\nQ?" in c and "Draft answer:\ndraft" in c and c.endswith("Critique:")
     r = ch05.make_refine_prompt("Q?", "draft", "fix it")
     assert "Previous answer:\ndraft" in r and "Critique:\nfix it" in r
     assert r.endswith("Revised answer:") and "\\boxed{ANSWER}" in r
+
+
+def test_self_critique_loop_keeps_revisions_that_do_not_score_worse(tiny, monkeypatch):
+    model, tok = tiny
+    texts = iter(["draft", "crit 1", "a longer draft", "crit 2", "short"])
+    prompts = []
+
+    def fake(model_, tok_, prompt, device, max_new_tokens, **kw):
+        prompts.append((prompt, max_new_tokens, kw["temperature"]))
+        return next(texts)
+
+    monkeypatch.setattr(book, "generate_text_stream_concat_flex", fake)
+    out = ch05.self_critique_loop(model, tok, "Q", "cpu", iterations=2, max_response_tokens=9,
+                                  max_critique_tokens=3, temperature=0.3,
+                                  score_fn=lambda answer, prompt: len(answer),
+                                  prompt_renderer=lambda q: f"<{q}>", prompt_suffix="!")
+    assert [s["score_before"] for s in out["steps"]] == [5, 14]
+    assert [s["score_after"] for s in out["steps"]] == [14, 5]
+    assert out["final_full"] == "a longer draft" == out["steps"][1]["draft_full"]
+    assert [p[1] for p in prompts] == [9, 3, 9, 3, 9] and prompts[0][0] == "<Q>!"
+    assert "Critique:\ncrit 1" in prompts[2][0] and prompts[0][2] == 0.3
+    # with the real generator on the tiny model: one draft, one critique, one revision
+    monkeypatch.undo()
+    real = ch05.self_critique_loop(model, tok, "2+2", "cpu", iterations=1,
+                                   max_response_tokens=3, max_critique_tokens=2)
+    assert len(real["steps"]) == 1 and real["final_full"] == real["steps"][0]["revised_full"]
 
 
 # ---------------------------------------------------------------- chapter 3
@@ -506,7 +546,7 @@ BOOK_NAMES = {  # what the book's chapter 2-7 notebooks and scripts import, by m
            "generate_text_temp_stream_cache", "generate_text_top_p_stream_cache",
            "self_consistency_vote"],
     ch05: ["heuristic_score", "avg_logprob_answer", "make_critique_prompt", "make_refine_prompt",
-           "self_refinement_loop"],
+           "self_refinement_loop", "self_critique_loop"],
     ch06: ["load_math_train", "sample_response", "reward_rlvr", "sequence_logprob",
            "compute_grpo_loss", "save_checkpoint", "append_csv_metrics"],
     ch07: ["THINK_TOKEN_ID", "END_THINK_TOKEN_ID", "download_from_github", "moving_average",
