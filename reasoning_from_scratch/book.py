@@ -23,13 +23,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import sympy
 import torch
-from sympy import simplify
-from sympy.parsing import sympy_parser as spp
 
 from .downloads import download_qwen3_small
 from .generation import sample_next_token
-from .grading import extract_final_candidate, grade_answer
+from .grading import extract_final_candidate, grade_answer, to_sympy
 from .prompts import render_prompt
 from .qwen3 import KVCache
 from .tokenizer import Qwen3Tokenizer
@@ -191,14 +190,14 @@ def generate_text_stream_concat(model, tokenizer, prompt, device, max_new_tokens
 
 def sympy_parser(expr):
     """A SymPy expression for a normalised answer string (implicit products like '2x' allowed),
-    or None when it does not parse, is None, or is longer than MAX_PARSE_CHARS."""
+    or None when it does not parse, is None, or is longer than MAX_PARSE_CHARS.
+
+    Parsed by `grading.to_sympy`, never by `sympy.parse_expr`: that one evaluates Python, and
+    the strings come from a model's output.
+    """
     if expr is None or len(expr) > MAX_PARSE_CHARS:
         return None
-    transformations = (*spp.standard_transformations, spp.implicit_multiplication_application)
-    try:
-        return spp.parse_expr(expr, transformations=transformations, evaluate=True)
-    except Exception:  # SymPy raises many kinds (SyntaxError, TokenError, TypeError, ...)
-        return None
+    return to_sympy(expr, sympy)
 
 
 def equality_check(expr_gtruth, expr_pred) -> bool:
@@ -210,7 +209,7 @@ def equality_check(expr_gtruth, expr_pred) -> bool:
     if truth is None or pred is None:
         return False
     try:
-        return bool(simplify(truth - pred) == 0)
+        return bool(sympy.simplify(truth - pred) == 0)
     except Exception:  # e.g. tuples cannot be subtracted
         return False
 

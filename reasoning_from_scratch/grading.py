@@ -510,6 +510,16 @@ def _sympy_value(s, sp):
     return _to_sympy(tree, sp)
 
 
+def to_sympy(text, sp):
+    """The `sp` (sympy module) object of a normalised scalar answer such as '2x+3x' or
+    '\\frac{3}{4}', built by the safe parser above (never `eval`); None if it does not parse or
+    is too big. Whitespace is ignored."""
+    try:
+        return _sympy_value("".join(str(text).split()), sp)
+    except (ValueError, ZeroDivisionError, OverflowError, TypeError):  # _ParseError, _TooBig
+        return None
+
+
 def _sympy_set(s, sp, depth=0):
     """sympy set of a normalised answer: intervals, \\{...\\}, \\mathbb{R}, \\cup, \\setminus."""
     kind, parts = _structure(s)

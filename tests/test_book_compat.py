@@ -455,6 +455,9 @@ def test_the_book_grader_parts():
     assert ch03.sympy_parser("2x + 3x") - 5 * ch03.sympy_parser("x") == 0
     assert ch03.sympy_parser("sqrt(") is None and ch03.sympy_parser(None) is None
     assert ch03.sympy_parser("1" * 2001) is None
+    assert ch03.sympy_parser(r"\frac{3}{4}") == ch03.sympy_parser("3/4")  # LaTeX too
+    # never evaluated as Python: a model's output could say anything
+    assert ch03.sympy_parser("__import__('os').system('touch x')") is None
     assert ch03.equality_check("(1)/(2)", "0.5") and not ch03.equality_check("14/3", "5")
     assert not ch03.equality_check("(1, 2)", "(1, 2.0)")  # tuples: compare their parts
     assert ch03.split_into_parts("( 1 ,  2 )") == ["1", "2"]
