@@ -89,7 +89,12 @@ def get_last_boxed(text):
 
 
 def extract_final_candidate(text, fallback="number_then_full"):
-    """Last boxed answer of `text`; if none, by `fallback`: last number, whole text, or ""."""
+    """Last boxed answer of `text`; if none, by `fallback`: last number, whole text, or "".
+
+    `fallback=None` (the book's "require \\boxed{}") is "none".
+    """
+    if fallback is None:
+        fallback = "none"
     if fallback not in _FALLBACKS:
         raise ValueError(f"fallback must be one of {_FALLBACKS}, got {fallback!r}")
     if not text:

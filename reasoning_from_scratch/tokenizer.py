@@ -359,10 +359,13 @@ class Qwen3Tokenizer:
                     j -= 1
         return enc.ids, offsets
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of token ids; accepts a list or a 1-D tensor."""
+    def decode(self, ids: Iterable[int] | int, skip_special_tokens: bool = False) -> str:
+        """Text of token ids; accepts a list, a tensor or one id (the book decodes
+        ``token.tolist()`` of a one-element tensor, an int)."""
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
+        if isinstance(ids, int):
+            ids = [ids]
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(

@@ -464,6 +464,14 @@ def test_the_book_grader_parts():
     assert ch03.split_into_parts("(a, )") == ["(a, )"] and ch03.split_into_parts("") == []
 
 
+def test_the_books_call_forms_of_extraction_and_decoding(tiny):
+    _, tok = tiny
+    assert ch03.extract_final_candidate("so 42", fallback=None) == ""  # boxed required
+    assert ch03.extract_final_candidate("so \\boxed{42}", fallback=None) == "42"
+    ids = tok.encode("12+7")
+    assert tok.decode(torch.tensor(ids[0]).tolist()) == tok.decode(ids[:1])  # one int
+
+
 def test_run_demos_table_and_eta(capsys, monkeypatch):
     ch03.run_demos_table([("a", "1/2", "0.5", True), ("b", "1", "2", True)])
     out = capsys.readouterr().out
