@@ -1,5 +1,5 @@
-"""Chapter 9 index: distillation (teacher traces, rejection sampling, SFT; imports only). Also
-the book's names for this chapter (docs/book_compatibility.md)."""
+"""Chapter 9 index: distillation (teacher traces, rejection sampling, SFT; imports only). The
+book's chapter 8 is distillation: its checkpoints download here (docs/book_compatibility.md)."""
 
 from .distillation import (
     filter_traces,
