@@ -29,6 +29,7 @@ import torch
 from .downloads import download_qwen3_small
 from .generation import sample_next_token
 from .grading import extract_final_candidate, grade_answer, to_sympy
+from .grpo import compute_grpo_loss
 from .prompts import render_prompt
 from .qwen3 import KVCache
 from .tokenizer import Qwen3Tokenizer
@@ -413,8 +414,53 @@ def append_csv_metrics(csv_log_path, step_idx, total_steps, loss, reward_avg,
     writing the header first when the file is new."""
     csv_log_path = Path(csv_log_path)
     if not csv_log_path.exists():
+        csv_log_path.parent.mkdir(parents=True, exist_ok=True)
         csv_log_path.write_text("step,total_steps,loss,reward_avg,avg_response_len\n",
                                 encoding="utf-8")
     with csv_log_path.open("a", encoding="utf-8") as f:
         f.write(f"{step_idx},{total_steps},{loss:.6f},{reward_avg:.6f},"
                 f"{avg_response_len:.6f}\n")
+
+
+def train_rlvr_grpo(model, tokenizer, math_data, device, steps=None, num_rollouts=2,
+                    max_new_tokens=256, temperature=0.8, top_p=0.9, lr=1e-5,
+                    checkpoint_every=50, checkpoint_dir=".", csv_log_path=None):
+    """The book's chapter 6 loop: one problem per step, its GRPO loss, one AdamW step.
+
+    The loss is `grpo.compute_grpo_loss` with the chapter 6 recipe (a sequence-level loss, no
+    clipping, correctness reward only); gradients are clipped to norm 1. Every step appends a
+    row to `csv_log_path` (default: a time-stamped CSV in the working directory); every
+    `checkpoint_every` steps, and on Ctrl-C (then it returns early), a book-format checkpoint
+    goes to `checkpoint_dir`. Returns the model. For evaluation, resumable runs and the chapter
+    7 options, use `training.train_grpo`.
+    """
+    steps = len(math_data) if steps is None else steps
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    csv_log_path = Path(csv_log_path or
+                        f"train_rlvr_grpo_metrics_{time.strftime('%Y%m%d_%H%M%S')}.csv")
+    model.train()
+    step = 0
+    try:
+        for step in range(1, steps + 1):
+            optimizer.zero_grad()  # 1. fresh gradients
+            stats = compute_grpo_loss(  # 2. sample, reward, GRPO loss
+                model, tokenizer, math_data[(step - 1) % len(math_data)], device,
+                num_rollouts, max_new_tokens, temperature, top_p,
+                loss_type="sequence", epsilon=None)
+            if stats["loss_tensor"].requires_grad:  # all-equal rewards: nothing to learn
+                stats["loss_tensor"].backward()  # 3. gradients
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()  # 4. update
+            rewards = stats["rewards"]  # 5. log
+            reward_avg = sum(rewards) / len(rewards)
+            lengths = [s["length"] for s in stats["samples"]]
+            avg_len = sum(lengths) / max(len(lengths), 1)
+            append_csv_metrics(csv_log_path, step, steps, stats["loss"], reward_avg, avg_len)
+            print(f"[Step {step}/{steps}] loss={stats['loss']:.4f} "
+                  f"reward_avg={reward_avg:.3f} avg_resp_len={avg_len:.1f}")
+            if checkpoint_every and step % checkpoint_every == 0:  # 6. checkpoint
+                print(f"Saved checkpoint to {save_grpo_checkpoint(model, checkpoint_dir, step)}")
+    except KeyboardInterrupt:
+        path = save_grpo_checkpoint(model, checkpoint_dir, max(1, step), suffix="interrupt")
+        print(f"\nKeyboardInterrupt. Saved checkpoint to {path}")
+    return model

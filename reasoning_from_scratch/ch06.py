@@ -1,7 +1,7 @@
 """Chapter 6 index: plain GRPO (rollouts, correctness reward, advantages; imports only). Also
 the book's names for this chapter (docs/book_compatibility.md)."""
 
-from .book import append_csv_metrics
+from .book import append_csv_metrics, train_rlvr_grpo
 from .book import save_grpo_checkpoint as save_checkpoint
 from .datasets import load_math_train
 from .generation import sample_response, sample_rollouts, top_p_filter

@@ -14,7 +14,7 @@ import torch
 import reasoning_from_scratch.book as book
 import reasoning_from_scratch.downloads as downloads
 from reasoning_from_scratch import ch02, ch02_ex, ch03, ch04, ch05, ch06, ch07, ch09, qwen3, utils
-from reasoning_from_scratch.datasets import load_math500_test, load_math_train
+from reasoning_from_scratch.datasets import load_arith, load_math500_test, load_math_train
 from reasoning_from_scratch.generation import generate
 from reasoning_from_scratch.grpo import sequence_logprob_and_entropy
 from reasoning_from_scratch.inference_scaling import self_consistency_vote
@@ -35,6 +35,7 @@ from reasoning_from_scratch.tokenizer import Qwen3Tokenizer, render_chat
 from reasoning_from_scratch.weights import (
     BUNDLED_MODELS,
     load_book_checkpoint,
+    load_pretrained,
     read_book_checkpoint,
     save_book_checkpoint,
 )
@@ -537,6 +538,28 @@ def test_save_checkpoint_and_csv_metrics(tmp_path):
                                             "2,10,0.250000,0.500000,10.000000"]
 
 
+def test_train_rlvr_grpo_updates_logs_and_checkpoints(tmp_path, monkeypatch):
+    model, tok = load_pretrained("tiny-arith", device="cpu", dtype=torch.float32)
+    data = load_arith("test", n=2, seed=0, level_weights=[1, 0, 0, 0, 0])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(0)  # 4 samples of an easy problem: rewards differ, so there is a gradient
+    ch06.train_rlvr_grpo(model, tok, data, "cpu", steps=2, num_rollouts=4, max_new_tokens=48,
+                         temperature=1.0, top_p=1.0, checkpoint_every=2,
+                         checkpoint_dir=tmp_path, csv_log_path=tmp_path / "log" / "m.csv")
+    assert any(not torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    rows = (tmp_path / "log" / "m.csv").read_text().splitlines()
+    assert rows[0] == "step,total_steps,loss,reward_avg,avg_response_len" and len(rows) == 3
+    ckpt = tmp_path / "qwen3-0.6B-rlvr-grpo-step00002.pth"
+    ids = torch.tensor([tok.encode("1+1=")])
+    torch.testing.assert_close(load_book_checkpoint(ckpt, Qwen3Model(model.cfg))(ids), model(ids))
+    # Ctrl-C in step 1: an "-interrupt" checkpoint, and the model comes back
+    monkeypatch.setattr(book, "compute_grpo_loss", lambda *a, **k: (_ for _ in ()).throw(
+        KeyboardInterrupt))
+    assert ch06.train_rlvr_grpo(model, tok, data, "cpu", checkpoint_dir=tmp_path,
+                                csv_log_path=tmp_path / "m2.csv") is model
+    assert (tmp_path / "qwen3-0.6B-rlvr-grpo-step00001-interrupt.pth").is_file()
+
+
 def test_book_edge_cases_of_chapter_7_maths():
     assert moving_average([1.0, 3.0], window_fraction=0.0) == [1.0, 3.0]
     logp, ent = sequence_logprob_and_entropy(_FixedModel(1, vocab=3), torch.tensor([1, 2]), 3)
@@ -559,7 +582,7 @@ BOOK_NAMES = {  # what the book's chapter 2-7 notebooks and scripts import, by m
     ch05: ["heuristic_score", "avg_logprob_answer", "make_critique_prompt", "make_refine_prompt",
            "self_refinement_loop", "self_critique_loop"],
     ch06: ["load_math_train", "sample_response", "reward_rlvr", "sequence_logprob",
-           "compute_grpo_loss", "save_checkpoint", "append_csv_metrics"],
+           "compute_grpo_loss", "save_checkpoint", "append_csv_metrics", "train_rlvr_grpo"],
     ch07: ["THINK_TOKEN_ID", "END_THINK_TOKEN_ID", "download_from_github", "moving_average",
            "plot_grpo_metrics", "compute_advantage_stats", "sequence_logprob_and_entropy",
            "reward_format"],
