@@ -3,11 +3,11 @@
 Sebastian Raschka's "Build a Reasoning Model (From Scratch)" (rasbt/reasoning-from-scratch)
 builds its functions one chapter at a time; a reader who has the book calls them by these
 names and signatures, exported by ``ch02`` ... ``ch06`` as the book has them. Each one is a
-thin layer over this package's home for the job: token choice is ``generation.
-sample_next_token`` (so ``temperature=0`` is greedy), answers are extracted and graded by
-``grading``, weights come from ``weights.load_book_checkpoint``. Written from the book's
-signatures and documented behaviour; where the book's behaviour differs from ours, the
-difference is listed in docs/book_compatibility.md.
+thin layer over this package's home for the job: tokens are chosen by
+``generation.sample_next_token`` (so ``temperature=0`` is greedy), answers are extracted and
+graded by ``grading``, weights are read by ``weights.load_book_checkpoint``, the GRPO loss is
+``grpo.compute_grpo_loss``. Written from the book's signatures and documented behaviour; where
+the book's behaviour differs, docs/book_compatibility.md lists the difference.
 
 The streaming generators follow the book's model protocol: ``model(token_ids)`` or
 ``model(token_ids, cache=KVCache(n_layers=model.cfg["n_layers"]))`` with one row, after
