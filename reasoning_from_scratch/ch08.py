@@ -1,4 +1,5 @@
-"""Chapter 8 index: process supervision (steps, scorers, PRM, outcome vs process; imports only)."""
+"""Chapter 8 index: process supervision (steps, scorers, PRM, outcome vs process; imports only).
+The book's chapter 8, distillation, is chapter 9 here (`ch09`; docs/book_compatibility.md)."""
 
 from .arithmetic import first_error_step, parse_steps, verify_steps
 from .experiments.process_vs_outcome import (

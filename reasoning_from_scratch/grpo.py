@@ -138,8 +138,8 @@ def _answer_log_softmax(model, token_ids, prompt_len):
     """Log-softmax rows (n, V) predicting the n answer tokens, and those tokens (n,)."""
     if token_ids.dim() != 1:
         raise ValueError(f"token_ids must be 1-D (prompt + answer), got {tuple(token_ids.shape)}")
-    if not 1 <= prompt_len <= token_ids.shape[0]:
-        raise ValueError(f"prompt_len {prompt_len} outside [1, {token_ids.shape[0]}]")
+    if prompt_len < 1:  # at or past the end: no answer tokens (0 log-prob, as in the book)
+        raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
     logits = model(token_ids.unsqueeze(0)).squeeze(0).float()  # (T, V)
     logprobs = torch.log_softmax(logits, dim=-1)
     # Row t predicts token t+1, so the answer tokens token_ids[prompt_len:] come from rows
