@@ -165,14 +165,6 @@ class ProcessAdvantageFn:
         return None
 
 
-#: metrics.csv columns filled from `ProcessAdvantageFn.last_stats` (MC cost columns only for mc).
-PROCESS_METRIC_COLUMNS = [
-    "steps_per_completion", "steps_per_completion_max", "tokens_per_step", "step_reward_mean",
-    "step_reward_std", "step_correct_rate", "first_error_step", "error_free_rate",
-    "mc_generated_tokens", "mc_rollouts", "mc_seconds", "prm_agreement", "prm_loss",
-]
-
-
 def make_process_advantage_fn(
     tokenizer, step_scorer="verifier", variant: str = "sum", split_mode: str = "tags",
     pattern: str | None = None, model=None, device=None, mc_rollouts: int = 4,

@@ -12,6 +12,7 @@ from reasoning_from_scratch.process import process_advantages, split_steps, step
 from reasoning_from_scratch.process_supervision import (
     ProcessAdvantageFn,
     build_step_scorer,
+    make_process_advantage_fn,
     process_token_advantages,
 )
 from reasoning_from_scratch.prompts import render_prompt
@@ -164,9 +165,10 @@ def test_hook_pure_gives_the_outcome_term_to_its_share_of_groups(arith_tokenizer
 def test_compute_grpo_loss_accepts_the_new_forms(variant):
     model, tokenizer = load_pretrained("tiny-arith", device="cpu")
     g = torch.Generator().manual_seed(0)
+    adv_fn = make_process_advantage_fn(tokenizer, "verifier-think", variant, alpha=0.5)
     out = compute_grpo_loss(model, tokenizer, {"problem": "Compute (12+7)*3", "answer": "57"},
                             "cpu", num_rollouts=4, max_new_tokens=40, temperature=1.0, top_p=1.0,
-                            generator=g, supervision="process", process_variant=variant)
+                            generator=g, supervision="process", advantage_fn=adv_fn)
     assert torch.isfinite(out["loss_tensor"]).all()
 
 
