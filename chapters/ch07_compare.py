@@ -28,6 +28,7 @@ from reasoning_from_scratch.grpo_comparison import (
     DEFAULT_ARMS,
     run_comparison,
 )
+from reasoning_from_scratch.interrupts import exit_on_stop
 from reasoning_from_scratch.training import GRPOConfig
 from reasoning_from_scratch.training_cli import (
     DATA_FLAGS,
@@ -90,4 +91,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_on_stop(main, sys.argv[1:])  # Ctrl-C: exit 130, SIGTERM & co.: 75

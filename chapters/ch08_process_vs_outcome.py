@@ -20,6 +20,7 @@ import sys
 import torch
 
 from reasoning_from_scratch.distributed import refuse_multiple_processes
+from reasoning_from_scratch.interrupts import exit_on_stop
 from reasoning_from_scratch.supervision_experiment import (
     ARMS,
     DEFAULT_ARMS,
@@ -122,4 +123,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_on_stop(main, sys.argv[1:])  # Ctrl-C: exit 130, SIGTERM & co.: 75

@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from .checkpoints import (
+    CheckpointWriteError,
     check_new_run_dir,
     checkpoint_problem,
-    find_checkpoint,
+    find_checkpoint_or_restart,
     read_trainer_state,
     run_contents,
     run_dir_of,
@@ -42,6 +43,7 @@ from .distillation_training import (
 from .distributed import refuse_multiple_processes
 from .evaluation import evaluate_policy
 from .files import atomic_write_json, read_json
+from .interrupts import exit_status
 from .training import GRPOConfig
 from .training_cli import add_data_arguments, add_runtime_arguments, load_grpo_data, run_cli
 from .validation import arg_type, non_negative_float, positive_int, probability_float
@@ -62,8 +64,14 @@ DISTILL_HELP = {
     "eval_examples": "held-out problems evaluated (the first N)",
     "eval_max_new_tokens": "maximum generated tokens per evaluation answer",
     "eval_batch_size": "problems per evaluation batch",
-    "checkpoint_every": "save a resumable checkpoint every N updates (0: the final one only, "
-                        "and one on Ctrl-C)",
+    "checkpoint_every": "save a resumable checkpoint every N updates (0: none by updates; the "
+                        "final one, one on Ctrl-C or a stop signal and checkpoint-minutes' still)",
+    "checkpoint_minutes": "save a resumable checkpoint once this many minutes of wall time "
+                          "passed since the last one (0: off)",
+    "keep_checkpoints": "checkpoint-<step> directories kept, the latest (0: all); final/ is "
+                        "always kept",
+    "stop_signals": "signals that save a checkpoint and stop the run like Ctrl-C, exit status "
+                    "75 (comma-separated; 'none': only Ctrl-C)",
     "seed": "seed of the teacher sampling, the trace split and the batch order",
     "output_dir": "run directory (traces, metrics, checkpoints, summary; None: "
                   "runs/ch09-<time>)",
@@ -118,7 +126,7 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
     for f in fields(DistillConfig):
         if f.name in ("progress", "output_dir"):
             continue
-        kind = float if isinstance(getattr(defaults, f.name), float) else int
+        kind = type(getattr(defaults, f.name))  # int, float or str
         p.add_argument("--" + f.name.replace("_", "-"), type=arg_type(kind, DISTILL_RULES[f.name]),
                        default=getattr(defaults, f.name), help=DISTILL_HELP[f.name])
     p.add_argument("--output-dir", default=None, help=DISTILL_HELP["output_dir"])
@@ -172,9 +180,11 @@ def _resolve(parser, args, argv):
         if args.device:
             check_device(args.device)
         if args.resume:
-            ckpt = find_checkpoint(args.resume)
-            run_dir = run_dir_of(ckpt)
-            saved = read_trainer_state(ckpt)["config"]
+            ckpt = find_checkpoint_or_restart(args.resume)
+            run_dir = run_dir_of(ckpt) if ckpt else Path(args.resume).resolve()
+            saved = read_trainer_state(ckpt)["config"] if ckpt else \
+                read_json(run_dir / "config.json")  # no checkpoint: start over in place
+            args.overwrite = args.overwrite or ckpt is None
             steps_given = any(a == "--steps" or a.startswith("--steps=") for a in argv or [])
             values = {**saved, "steps": args.steps if steps_given else saved["steps"],
                       "progress": args.progress, "output_dir": str(run_dir)}
@@ -263,8 +273,10 @@ def run_distill_cli(argv, description: str) -> dict:
     try:
         summary = train_distillation(student, student_tok, records, held_out, device, config,
                                      resume_from=ckpt, overwrite=args.overwrite)
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal: the checkpoint is saved
+        raise SystemExit(exit_status(stop)) from None
+    except CheckpointWriteError as err:  # a full disk: one line, no traceback
+        raise SystemExit(f"error: {err}") from None
     # wall_seconds: this command's, teacher sampling included (train_distillation's own
     # summary times the SFT run alone; it stays as sft_wall_seconds)
     summary = {"student_base_accuracy": summary["base_accuracy"],

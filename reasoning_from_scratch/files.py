@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,3 +77,19 @@ def read_json(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object at the top level")
     return data
+
+
+def free_space(path: PathLike) -> str:
+    """The free space on the filesystem holding `path` (or its nearest existing parent),
+    e.g. "1.2 GB free on /scratch" ("free space unknown" if it cannot be read)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return "free space unknown"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if free >= size:
+            return f"{free / size:.1f} {unit} free on {path}"
+    return f"{free} bytes free on {path}"

@@ -3,8 +3,12 @@ resume, and `run_cli` (parse, check, load model and data, `train_grpo`).
 
 Every bad value is refused by argparse before anything is written (one line, exit status 2):
 numbers outside their range (the rules live next to GRPOConfig), a device this torch cannot
-use, a new run pointed at a directory that holds one, a resume of a run without an intact
-checkpoint.
+use, a new run pointed at a directory that holds one, a resume of a run whose checkpoints are
+all unusable (a run that stopped before its first checkpoint starts over in place).
+
+Exit status: 0 done; 130 after Ctrl-C and 75 after a stop signal (SIGTERM, SIGHUP, SIGUSR1), a
+checkpoint saved in both cases (interrupts.py); 1 with one line when a checkpoint could not be
+written (a full disk: the line names the path and the free space); 2 for bad flags.
 
 Started by `torchrun --nproc-per-node N`, the same script trains data-parallel (distributed.py,
 `training.train_grpo`): every process parses the same flags, joins the process group, loads
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import fields
@@ -24,7 +29,13 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import check_new_run_dir, find_checkpoint, read_trainer_state, run_dir_of
+from .checkpoints import (
+    CheckpointWriteError,
+    check_new_run_dir,
+    find_checkpoint_or_restart,
+    read_trainer_state,
+    run_dir_of,
+)
 from .datasets import DATASET_NAMES, load_dataset_by_name
 from .device import check_device, device_arg, get_device
 from .distributed import (
@@ -35,8 +46,9 @@ from .distributed import (
     shutdown_distributed,
     world_size,
 )
-from .files import atomic_write_json
+from .files import atomic_write_json, read_json
 from .grpo import KL_ESTIMATORS, LOSS_TYPES, REWARD_NORMALIZATIONS, SCALE_REWARDS
+from .interrupts import exit_status
 from .process import VARIANTS
 from .training import CONFIG_RULES, DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
 from .validation import arg_type, at_least, optional_positive_int
@@ -95,7 +107,14 @@ CONFIG_HELP = {
     "eval_max_new_tokens": "max generated tokens in evaluation ('none': max-new-tokens)",
     "eval_batch_size": "prompts per batch in evaluation",
     "sample_every": "append the step's completions to samples.jsonl every N steps (0: never)",
-    "checkpoint_every": "save a resumable checkpoint every N steps (0: only the final one)",
+    "checkpoint_every": "save a resumable checkpoint every N steps (0: none by steps)",
+    "checkpoint_minutes": "save a resumable checkpoint once this many minutes of wall time "
+                          "passed since the last one (0: off): a kill that no handler can "
+                          "catch (SIGKILL, out of memory, power loss) loses at most this long",
+    "keep_checkpoints": "checkpoint-<step> directories kept, the latest (0: all); final/ is "
+                        "always kept",
+    "stop_signals": "signals that save a checkpoint and stop the run like Ctrl-C, exit status "
+                    "75 (comma-separated; 'none': only Ctrl-C)",
     "seed": "random seed (prompt order, rollout sampling)",
     "output_dir": "run directory for metrics, samples, checkpoints, summary and plot",
     "progress": "show the progress bar and per-step lines",
@@ -123,7 +142,7 @@ def add_config_arguments(parser, defaults: GRPOConfig):
             continue
         kind = OPTIONAL_TYPES.get(f.name, type(default))
         value_type = kind
-        if kind in (int, float):
+        if kind in (int, float) or f.name in CONFIG_RULES:
             value_type = arg_type(kind, CONFIG_RULES.get(f.name), f.name in OPTIONAL_TYPES)
         parser.add_argument(flag, type=value_type, default=default, choices=CHOICES.get(f.name),
                             help=CONFIG_HELP[f.name])
@@ -231,20 +250,23 @@ def resolve_run(parser, args, argv, run_prefix):
         if args.device:
             check_device(args.device)
         if args.resume:  # the run's own settings, except flags given explicitly now
-            ckpt = find_checkpoint(args.resume)
-            run_dir = run_dir_of(ckpt)
+            ckpt = find_checkpoint_or_restart(args.resume, log=_print_on_rank_0)
+            run_dir = run_dir_of(ckpt) if ckpt else Path(args.resume).resolve()
             if args.output_dir and Path(args.output_dir).resolve() != run_dir:
                 parser.error(f"--resume continues in the run's own directory {run_dir}; "
                              "leave out --output-dir")
-            saved = read_trainer_state(ckpt)["config"]
+            saved = read_trainer_state(ckpt)["config"] if ckpt else \
+                read_json(run_dir / "config.json")  # no checkpoint: start over in place
             values = {**saved, **{k: v for k, v in values.items() if k in explicit},
                       "output_dir": str(run_dir)}
             if (run_dir / "data.json").is_file():
                 data = {**json.loads((run_dir / "data.json").read_text()),
                         **{k: v for k, v in data.items() if k in explicit}}
-            source = ckpt
+            source = ckpt or (args.model if "model" in explicit else data.get("model", args.model))
+            args.overwrite = args.overwrite or ckpt is None
         else:
             ckpt, source = None, args.model
+            data["model"] = args.model  # in data.json: a run restarted from scratch reloads it
             values["output_dir"] = args.output_dir or time.strftime(
                 f"runs/{run_prefix}-%Y%m%d-%H%M%S")
             if not args.overwrite:
@@ -294,11 +316,21 @@ def _train_from_cli(args, config, data, model_source, ckpt, device):
     try:
         summary = train_grpo(model, tokenizer, train, held_out, device, config,
                              resume_from=ckpt, overwrite=args.overwrite)
-    except KeyboardInterrupt:  # the checkpoint is saved and the way on printed: no traceback
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as stop:  # the checkpoint is saved and the way on printed
+        raise SystemExit(exit_status(stop)) from None
+    except CheckpointWriteError as err:  # a full disk: one line, no traceback
+        if is_main():
+            print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     if is_main():
         print(json.dumps(summary, indent=2))
     return summary
+
+
+def _print_on_rank_0(message):
+    """Print once under torchrun (before the process group exists; RANK says who is who)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message)
 
 
 def _explicit_flags(argv):
