@@ -334,22 +334,25 @@ def test_distillation_run_writes_its_files_and_changes_the_weights(straight_dist
     assert any(not torch.equal(start[k], weights[k]) for k in start)
 
 
-def _kill_at(phase, step):
+def _kill_at(phase, step, sig=signal.SIGINT):
     def hook(p, s):
         if (p, s) == (phase, step):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), sig)
     return hook
 
 
-@pytest.mark.parametrize("phase,step,holds", [("base_eval", 0, 0), ("update", 3, 3),
-                                              ("eval", 2, 2), ("checkpoint", 2, 2),
-                                              ("final_eval", 4, 4)])
-def test_distillation_ctrl_c_then_resume_equals_the_uninterrupted_run(
-        straight_distill, tiny_dir, tmp_path, phase, step, holds):
+@pytest.mark.parametrize("phase,step,holds,sig", [
+    ("base_eval", 0, 0, signal.SIGINT), ("update", 3, 3, signal.SIGINT),
+    ("eval", 2, 2, signal.SIGINT), ("checkpoint", 2, 2, signal.SIGINT),
+    ("final_eval", 4, 4, signal.SIGINT), ("update", 3, 3, signal.SIGTERM),
+    ("eval", 2, 2, signal.SIGTERM), ("checkpoint", 2, 2, signal.SIGUSR1)])
+def test_distillation_ctrl_c_or_stop_signal_then_resume_equals_the_uninterrupted_run(
+        straight_distill, tiny_dir, tmp_path, phase, step, holds, sig):
     out = tmp_path / "run"
     config = _distill_config(out)
-    with pytest.raises(KeyboardInterrupt):
-        _distill(tiny_dir, config, hook=_kill_at(phase, step))
+    with pytest.raises(KeyboardInterrupt) as stop:
+        _distill(tiny_dir, config, hook=_kill_at(phase, step, sig))
+    assert getattr(stop.value, "signum", signal.SIGINT) == sig
     ckpt = out / f"checkpoint-{holds}"
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == holds
     _distill(tiny_dir, config, resume_from=out)
