@@ -7,9 +7,8 @@ held-back traces and greedy accuracy on the evaluation problems), metrics.png, c
 the Hugging Face layout with optimizer and RNG state (`checkpoints.py`), final/, summary.json.
 Ctrl-C or a stop signal (SIGTERM, SIGHUP, SIGUSR1; interrupts.py) saves `checkpoint-<k>`, as
 the checkpoint policy does every `checkpoint_minutes` (checkpoints.py), and `resume_from`
-continues exactly: the batch schedule and the
-learning rate are functions of the step, so the resumed run's weights equal an uninterrupted
-run's.
+continues exactly: the batch schedule and the learning rate are functions of the step, so the
+resumed run's weights equal an uninterrupted run's.
 """
 
 from __future__ import annotations

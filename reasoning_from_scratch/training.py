@@ -520,7 +520,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     `grpo.collect_rollouts`). resume_from: a checkpoint dir or a run dir (its latest intact
     checkpoint) to continue exactly where it stopped. A new run refuses an output_dir that holds
     a run unless `overwrite`. Ctrl-C (KeyboardInterrupt) and the stop signals (StopSignal, a
-KeyboardInterrupt) save a checkpoint before re-raising. base_evaluation: the
+    KeyboardInterrupt) save a checkpoint before re-raising. base_evaluation: the
     starting model's `evaluate_policy` figures on `eval_examples`, if already known (experiments
     that train one base model many times evaluate it once).
     phase_hook(phase, step): called as each phase starts ("base_eval", "rollouts", "update",
@@ -582,7 +582,8 @@ KeyboardInterrupt) save a checkpoint before re-raising. base_evaluation: the
     bar = tqdm(total=config.steps, initial=run.completed, desc="grpo",
                disable=not config.progress)
     # Several processes stop only where all of them check (`_stop_if_interrupted`); one
-    # process stops at once (record_interrupts is then off and Ctrl-C raises where it lands).
+    # process stops at once (record_interrupts then only makes the stop signals raise
+    # StopSignal, and Ctrl-C or any of them raises where it lands).
     with record_interrupts(enabled=world > 1, signals=config.stop_signals) as interrupted:
         try:
             if run.base is None:
