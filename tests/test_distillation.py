@@ -4,6 +4,7 @@ the distillation run (Ctrl-C and resume) and its command line (tiny random model
 import json
 import os
 import runpy
+import shutil
 import signal
 from pathlib import Path
 
@@ -395,6 +396,21 @@ def test_ch09_tiny_run_with_given_traces_and_teacher(tiny_dir, tmp_path):
     assert saved["traces"]["kept"] == len(TRACES)  # all of them verify
     assert read_traces(out / "traces.jsonl") == read_traces(traces)
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_ch09_resume_of_a_run_without_a_checkpoint_starts_it_over(tiny_dir, tmp_path, capsys):
+    traces = write_traces(TRACES, tmp_path / "traces.jsonl")
+    out = tmp_path / "run"
+    _ch09_main()(["--teacher", str(tiny_dir), "--student", str(tiny_dir), "--traces",
+                  str(traces), "--output-dir", str(out), *CLI_FLAGS])
+    first = read_metrics(out / "metrics.csv")
+    shutil.rmtree(out / "final")  # as if killed before its first checkpoint
+    capsys.readouterr()
+    _ch09_main()(["--resume", str(out), "--threads", "1"])
+    assert "holds no checkpoint (the run stopped before its first one)" in capsys.readouterr().out
+    again = read_metrics(out / "metrics.csv")
+    assert [{k: v for k, v in r.items() if k not in ("step_s", "train_s")} for r in again] == \
+        [{k: v for k, v in r.items() if k not in ("step_s", "train_s")} for r in first]
 
 
 def test_ch09_samples_the_teacher_and_resumes(tiny_dir, tmp_path, monkeypatch):
