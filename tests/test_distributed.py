@@ -79,7 +79,7 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 if os.environ.get("INTERRUPT_AT"):
     who, phase, step = os.environ["INTERRUPT_AT"].split(",")
     if os.environ["RANK"] == who:
-        from reasoning_from_scratch import training_cli
+        from reasoning_from_scratch.cli import train as training_cli
         real = training_cli.train_grpo
 
         def hooked(*args, **kwargs):
@@ -102,7 +102,7 @@ if os.environ.get("STOP_AT"):
         return real_signal(signum, handler)
     signal.signal = observed
     if os.environ["RANK"] == who:
-        from reasoning_from_scratch import training_cli
+        from reasoning_from_scratch.cli import train as training_cli
         real_stop = training_cli.train_grpo
 
         def waiting(*args, **kwargs):

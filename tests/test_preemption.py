@@ -56,7 +56,7 @@ def observed(signum, handler):
     return real_signal(signum, handler)
 
 signal.signal = observed
-from reasoning_from_scratch import training_cli
+from reasoning_from_scratch.cli import train as training_cli
 real_train = training_cli.train_grpo
 
 def hooked(*args, **kwargs):

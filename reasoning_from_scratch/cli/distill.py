@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
-from .checkpoints import (
+from ..checkpoints import (
     CheckpointWriteError,
     check_new_run_dir,
     checkpoint_problem,
@@ -32,50 +32,27 @@ from .checkpoints import (
     run_contents,
     run_dir_of,
 )
-from .datasets import DATASET_NAMES
-from .device import check_device, get_device
-from .distillation import filter_traces, generate_distillation_data, read_traces, write_traces
-from .distillation_training import (
+from ..datasets import DATASET_NAMES
+from ..device import check_device, get_device
+from ..distillation import filter_traces, generate_distillation_data, read_traces, write_traces
+from ..distillation_training import (
     DISTILL_RULES,
     DistillConfig,
     train_distillation,
 )
-from .distributed import refuse_multiple_processes
-from .evaluation import evaluate_policy
-from .files import atomic_write_json, read_json
-from .interrupts import exit_status
-from .training import GRPOConfig
-from .training_cli import add_data_arguments, add_runtime_arguments, load_grpo_data, run_cli
-from .validation import arg_type, non_negative_float, positive_int, probability_float
-from .weights import load_pretrained
+from ..distributed import refuse_multiple_processes
+from ..evaluation import evaluate_policy
+from ..files import atomic_write_json, read_json
+from ..interrupts import exit_status
+from ..training import GRPOConfig
+from ..validation import arg_type, non_negative_float, positive_int, probability_float
+from ..weights import load_pretrained
+from .train import add_data_arguments, add_runtime_arguments, load_grpo_data, run_cli
 
 TEACHER_RUN_DIR = "runs/ch07-teacher"
 TRACES_FILE = "traces.jsonl"
-DISTILL_HELP = {
-    "steps": "SFT updates of the student",
-    "batch_size": "traces per update",
-    "lr": "peak AdamW learning rate (linear warmup, cosine decay)",
-    "warmup": "updates of linear learning-rate warmup",
-    "weight_decay": "AdamW weight decay of the weight matrices",
-    "grad_clip": "clip the gradient norm to this value",
-    "min_lr_ratio": "the cosine decay ends at lr x this",
-    "val_fraction": "fraction of the traced problems held back for the validation loss",
-    "eval_every": "evaluate every N updates (0: only before and after training)",
-    "eval_examples": "held-out problems evaluated (the first N)",
-    "eval_max_new_tokens": "maximum generated tokens per evaluation answer",
-    "eval_batch_size": "problems per evaluation batch",
-    "checkpoint_every": "save a resumable checkpoint every N updates (0: none by updates; the "
-                        "final one, one on Ctrl-C or a stop signal and checkpoint-minutes' still)",
-    "checkpoint_minutes": "save a resumable checkpoint once this many minutes of wall time "
-                          "passed since the last one (0: off)",
-    "keep_checkpoints": "checkpoint-<step> directories kept, the latest (0: all); final/ is "
-                        "always kept",
-    "stop_signals": "signals that save a checkpoint and stop the run like Ctrl-C, exit status "
-                    "75 (comma-separated; 'none': only Ctrl-C)",
-    "seed": "seed of the teacher sampling, the trace split and the batch order",
-    "output_dir": "run directory (traces, metrics, checkpoints, summary; None: "
-                  "runs/ch09-<time>)",
-}
+# Help and range of every DistillConfig field live in its metadata (distillation_training.py)
+DISTILL_HELP = {f.name: f.metadata["help"] for f in fields(DistillConfig)}
 
 
 def add_teacher_arguments(parser) -> None:
@@ -184,7 +161,6 @@ def _resolve(parser, args, argv):
             run_dir = run_dir_of(ckpt) if ckpt else Path(args.resume).resolve()
             saved = read_trainer_state(ckpt)["config"] if ckpt else \
                 read_json(run_dir / "config.json")  # no checkpoint: start over in place
-            args.overwrite = args.overwrite or ckpt is None
             steps_given = any(a == "--steps" or a.startswith("--steps=") for a in argv or [])
             values = {**saved, "steps": args.steps if steps_given else saved["steps"],
                       "progress": args.progress, "output_dir": str(run_dir)}
@@ -233,25 +209,52 @@ ONE_PROCESS_ONLY = ("data-parallel SFT is not built yet: teacher sampling, the S
                     "with torchrun chapters/ch07_train.py")
 
 
-def run_distill_cli(argv, description: str) -> dict:
-    """Parse flags, get teacher and traces, distil into the student; returns the summary."""
+@dataclass
+class DistillRun:
+    """A checked chapter 9 command: what `run_distillation` needs, as plain values."""
+
+    config: DistillConfig
+    data: dict  # teacher, student, traces and data settings (saved in data.json)
+    checkpoint: str | Path | None = None  # resume from this checkpoint
+    device: str | None = None
+    threads: int = 1
+    dtype: str = "float32"
+    overwrite: bool = False
+
+
+def parse_distill_args(argv, description: str) -> DistillRun:
+    """Parse and check chapters/ch09_distill.py's flags; a bad value exits 2 before anything
+    is written."""
     refuse_multiple_processes("ch09_distill.py", ONE_PROCESS_ONLY)
     parser = build_distill_parser(description)
     args = parser.parse_args(argv)
     config, data, ckpt = _resolve(parser, args, argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    restart = bool(args.resume) and ckpt is None  # no checkpoint yet: the run starts over
+    return DistillRun(config, data, ckpt, args.device, args.threads, args.dtype,
+                      args.overwrite or restart)
+
+
+def run_distill_cli(argv, description: str) -> dict:
+    """`parse_distill_args` then `run_distillation`: the whole command line in one call."""
+    return run_distillation(parse_distill_args(argv, description))
+
+
+def run_distillation(run: DistillRun) -> dict:
+    """Get teacher and traces, distil into the student; returns the summary."""
+    config, data, ckpt = run.config, run.data, run.checkpoint
+    if run.threads:
+        torch.set_num_threads(run.threads)
     t0 = time.time()
     out = Path(config.output_dir)
-    device = get_device(args.device)
-    dtype = getattr(torch, args.dtype)
+    device = get_device(run.device)
+    dtype = getattr(torch, run.dtype)
     train, held_out = load_grpo_data(data["dataset"], data["train_examples"], data["eval_split"],
                                      config.eval_examples, data["train_level_weights"])
     teacher_source = data.get("teacher_source") or data["teacher"]
     needs_teacher = not data["traces"] or data["teacher"]
     if needs_teacher and teacher_source is None:
-        teacher_source = str(chapter7_teacher(data["teacher_run_dir"], args.threads,
-                                              args.device))
+        teacher_source = str(chapter7_teacher(data["teacher_run_dir"], run.threads,
+                                              run.device))
     data["teacher_source"] = teacher_source
     teacher_accuracy = data.get("teacher_accuracy")
     teacher = tokenizer = None
@@ -272,7 +275,7 @@ def run_distill_cli(argv, description: str) -> dict:
     print(f"student {data['student']}: {len(records)} traces; run dir {out}")
     try:
         summary = train_distillation(student, student_tok, records, held_out, device, config,
-                                     resume_from=ckpt, overwrite=args.overwrite)
+                                     resume_from=ckpt, overwrite=run.overwrite)
     except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal: the checkpoint is saved
         raise SystemExit(exit_status(stop)) from None
     except CheckpointWriteError as err:  # a full disk: one line, no traceback
