@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_distributed import WORKER
 
 from reasoning_from_scratch import checkpoints
 from reasoning_from_scratch.checkpoints import (
@@ -38,40 +39,10 @@ from reasoning_from_scratch.weights import load_pretrained
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120  # a tiny run here takes a few seconds; one still going after this is stuck
 
-# ch07_train.py in a child process, with a phase hook: when PHASE of STEP starts, the hook
-# creates the file REACHED and waits until this process has received a stop signal (the test
-# sends it from outside, then the run stops where that signal lands, deterministically).
-# Handlers are observed through a wrapper around signal.signal.
-WORKER = r'''
-import os, runpy, signal, sys, time
-reached, phase, step, script, *flags = sys.argv[1:]
-got, real_signal = [], signal.signal
-
-def observed(signum, handler):
-    if callable(handler) and signum != signal.SIGINT:
-        inner = handler
-        def handler(s, f):
-            got.append(s)
-            return inner(s, f)
-    return real_signal(signum, handler)
-
-signal.signal = observed
-from reasoning_from_scratch.cli import train as training_cli
-real_train = training_cli.train_grpo
-
-def hooked(*args, **kwargs):
-    def hook(p, s):
-        if (p, s) == (phase, int(step)):
-            open(reached, "w").close()
-            deadline = time.time() + 60
-            while not got and time.time() < deadline:
-                time.sleep(0.01)
-    return real_train(*args, phase_hook=hook, **kwargs)
-
-training_cli.train_grpo = hooked
-sys.argv = [script, *flags]
-runpy.run_path(script, run_name="__main__")
-'''
+# The audited torchrun worker of test_distributed.py runs ch07_train.py in one plain process
+# too (RANK=0): with STOP_AT "0,phase,step,file" it creates the file when that phase starts and
+# waits until a stop signal reaches the process (the test sends it from outside, so the run
+# stops where that signal lands, deterministically).
 
 FLAGS = ["--steps", "4", "--prompts-per-step", "2", "--num-rollouts", "2",
          "--max-new-tokens", "4", "--eval-examples", "2", "--eval-every", "2",
@@ -143,12 +114,13 @@ def test_a_stop_signal_from_outside_saves_exits_75_and_resumes_exactly(
         tiny_dir, tmp_path, cli_straight, sig, phase, step, holds):
     out, reached = tmp_path / "run", tmp_path / "reached"
     (tmp_path / "worker.py").write_text(WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0",
+           "STOP_AT": f"0,{phase},{step},{reached}"}
     proc = subprocess.Popen(
-        [sys.executable, str(tmp_path / "worker.py"), str(reached), phase, str(step),
+        [sys.executable, str(tmp_path / "worker.py"), str(tmp_path / "writes-%s.txt"), str(out),
          str(ROOT / "chapters" / "ch07_train.py"), "--model", str(tiny_dir),
          "--output-dir", str(out), *FLAGS],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(reached, proc, f"the {phase} phase of step {step}")
     proc.send_signal(sig)
     stdout, stderr = _finish(proc)
