@@ -309,8 +309,8 @@ class CheckpointPolicy:
 
     every_steps: after every N-th update (0: off). every_minutes: once this much wall time has
     passed since the last checkpoint or the start (0: off), checked after each update, so a kill
-    loses at most that long plus the update in progress. keep: checkpoint-<k> dirs kept, the
-    latest (0: all).
+    loses at most that long plus the step (and evaluation) in progress. keep: checkpoint-<k>
+    dirs kept, the latest (0: all; `prune_checkpoints`).
     """
 
     def __init__(self, every_steps: int = 0, every_minutes: float = 0.0, keep: int = 0,

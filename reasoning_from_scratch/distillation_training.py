@@ -147,7 +147,7 @@ class _DistillRun:
              "train_seconds": self.train_seconds, "output_dir": str(self.out)},
         )
         self.policy.saved()
-        prune_checkpoints(self.out, self.config.keep_checkpoints, self.completed)
+        prune_checkpoints(self.out, self.policy.keep, self.completed)
         return path
 
 

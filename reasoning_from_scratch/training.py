@@ -559,7 +559,7 @@ class _Run:
             {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
              "output_dir": str(self.out), "world_size": world_size()},
         )
-        prune_checkpoints(self.out, self.config.keep_checkpoints, self.completed)
+        prune_checkpoints(self.out, self.policy.keep, self.completed)
 
 
 def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: GRPOConfig,
