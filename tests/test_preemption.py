@@ -28,6 +28,7 @@ from reasoning_from_scratch.interrupts import (
     EXIT_STOPPED,
     StopSignal,
     defer_interrupts,
+    exit_on_stop,
     exit_status,
     parse_stop_signals,
     stop_signals_raise,
@@ -229,6 +230,12 @@ def test_stop_signal_names_and_exit_statuses():
         GRPOConfig(stop_signals="TERM,BOGUS")
     assert exit_status(StopSignal(signal.SIGTERM)) == 75
     assert exit_status(KeyboardInterrupt()) == 130
+
+    def stopped(argv):  # an experiment script's main whose current run was stopped
+        raise StopSignal(signal.SIGHUP)
+    with pytest.raises(SystemExit) as exc:
+        exit_on_stop(stopped, [])
+    assert exc.value.code == 75
     assert str(StopSignal(signal.SIGUSR1)) == "stopped by SIGUSR1"
 
 
