@@ -3,6 +3,7 @@ to torchrun) saves a checkpoint that resumes exactly, with exit status 75; a SIG
 most the checkpoint interval; a run killed before its first checkpoint restarts in place; a
 full disk stops the command with one line; the checkpoint policy and the signal names."""
 
+import errno
 import importlib.util
 import os
 import shutil
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from test_distributed import WORKER
 
-from reasoning_from_scratch import checkpoints
+from reasoning_from_scratch import checkpoints, files
 from reasoning_from_scratch.checkpoints import (
     CheckpointPolicy,
     checkpoint_problem,
@@ -24,6 +26,7 @@ from reasoning_from_scratch.checkpoints import (
     prune_checkpoints,
     read_trainer_state,
 )
+from reasoning_from_scratch.cli import train as training_cli
 from reasoning_from_scratch.interrupts import (
     EXIT_STOPPED,
     StopSignal,
@@ -50,6 +53,12 @@ FLAGS = ["--steps", "4", "--prompts-per-step", "2", "--num-rollouts", "2",
          "--eval-batch-size", "2", "--train-examples", "20", "--sample-every", "1",
          "--checkpoint-every", "2", "--beta", "0.05", "--inner-epochs", "2", "--lr", "1e-2",
          "--no-progress", "--device", "cpu", "--threads", "1"]
+# The bundled model on level 1-2 problems: its rollouts earn unequal rewards, so the updates
+# are real and a resume that lost or repeated one would change the weights.
+LEARNING = [*FLAGS, "--model", "tiny-arith", "--train-level-weights", "1,1,0,0,0",
+            "--num-rollouts", "4", "--max-new-tokens", "24", "--lr", "1e-3"]
+EVERY_STEP = [*FLAGS[:FLAGS.index("--checkpoint-every")], "--checkpoint-every", "1",
+              *FLAGS[FLAGS.index("--checkpoint-every") + 2:]]  # a checkpoint after every step
 
 
 def _script(name):
@@ -100,8 +109,11 @@ def _finish(proc):
 def cli_straight(tiny_dir, tmp_path_factory):
     """The uninterrupted command-line run the stopped ones are compared with."""
     out = tmp_path_factory.mktemp("straight") / "run"
-    _script("ch07_train").main(["--model", str(tiny_dir), "--output-dir", str(out), *FLAGS])
-    return _outcome(out)
+    _script("ch07_train").main(["--output-dir", str(out), *LEARNING])
+    outcome = _outcome(out)
+    base = load_pretrained("tiny-arith", device="cpu")[0].state_dict()
+    assert any(not torch.equal(base[k], outcome[1][k]) for k in base)  # it learned something
+    return outcome
 
 
 # signal, phase, step -> updates the checkpoint holds
@@ -119,8 +131,7 @@ def test_a_stop_signal_from_outside_saves_exits_75_and_resumes_exactly(
            "STOP_AT": f"0,{phase},{step},{reached}"}
     proc = subprocess.Popen(
         [sys.executable, str(tmp_path / "worker.py"), str(tmp_path / "writes-%s.txt"), str(out),
-         str(ROOT / "chapters" / "ch07_train.py"), "--model", str(tiny_dir),
-         "--output-dir", str(out), *FLAGS],
+         str(ROOT / "chapters" / "ch07_train.py"), "--output-dir", str(out), *LEARNING],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(reached, proc, f"the {phase} phase of step {step}")
     proc.send_signal(sig)
@@ -200,9 +211,7 @@ def test_a_full_disk_stops_the_command_with_one_line(tiny_dir, tmp_path, capsys,
     out = tmp_path / "run"
     script = _script("ch07_train")
     with pytest.raises(SystemExit) as exc:
-        script.main(["--model", str(tiny_dir), "--output-dir", str(out),
-                     *FLAGS[:FLAGS.index("--checkpoint-every")], "--checkpoint-every", "1",
-                     *FLAGS[FLAGS.index("--checkpoint-every") + 2:]])
+        script.main(["--model", str(tiny_dir), "--output-dir", str(out), *EVERY_STEP])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 1
     assert err[-1].startswith(f"error: could not write checkpoint {out / 'checkpoint-2'} "
@@ -212,6 +221,65 @@ def test_a_full_disk_stops_the_command_with_one_line(tiny_dir, tmp_path, capsys,
     monkeypatch.setattr(checkpoints, "save_pretrained", real)
     script.main(["--resume", str(out)])
     assert [r["step"] for r in read_metrics(out / "metrics.csv")] == [1.0, 2.0, 3.0, 4.0]
+
+
+def _mount_tmpfs(path, size):
+    """A tmpfs of `size` bytes at `path`, or skip the test where mounting is not allowed."""
+    path.mkdir(parents=True, exist_ok=True)
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                         capture_output=True, text=True)
+    if res.returncode:
+        pytest.skip(f"cannot mount a small filesystem here ({res.stderr.strip()[:80]})")
+
+
+def test_a_really_full_filesystem_keeps_the_previous_checkpoint(tiny_dir, tmp_path, capsys,
+                                                                monkeypatch):
+    """A real small filesystem (tmpfs; root only, skipped elsewhere), filled up just before
+    checkpoint-2 is written, with room left for half of checkpoint-1."""
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, 16 * 2**20)
+    out, script = disk / "run", _script("ch07_train")
+    real = training_cli.train_grpo
+
+    def filling(*args, **kwargs):
+        def hook(phase, step):
+            if (phase, step) == ("checkpoint", 2):
+                size = sum(f.stat().st_size for f in (out / "checkpoint-1").rglob("*"))
+                free = shutil.disk_usage(disk).free
+                (disk / "ballast").write_bytes(b"\0" * (free - size // 2))
+        return real(*args, phase_hook=hook, **kwargs)
+
+    try:
+        monkeypatch.setattr(training_cli, "train_grpo", filling)
+        with pytest.raises(SystemExit) as exc:
+            script.main(["--model", str(tiny_dir), "--output-dir", str(out), *EVERY_STEP])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 1
+        assert err[-1].startswith(f"error: could not write checkpoint {out / 'checkpoint-2'} "
+                                  "(No space left on device; ") and f"free on {disk}" in err[-1]
+        assert find_checkpoint(out).name == "checkpoint-1" and not list(out.glob("*.tmp"))
+        assert checkpoint_problem(out / "checkpoint-1") is None
+        (disk / "ballast").unlink()  # room made: the run continues
+        monkeypatch.setattr(training_cli, "train_grpo", real)
+        script.main(["--resume", str(out)])
+        assert [r["step"] for r in read_metrics(out / "metrics.csv")] == [1.0, 2.0, 3.0, 4.0]
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_safetensors_write_errors_become_os_errors(tmp_path, monkeypatch):
+    def full(tensors, filename, metadata=None):  # what safetensors raises on a full disk
+        Path(filename).write_bytes(b"\0" * 10)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    monkeypatch.setattr(files, "save_file", full)
+    with pytest.raises(OSError) as err:
+        files.atomic_save_safetensors({"x": torch.zeros(3)}, tmp_path / "a.safetensors")
+    assert err.value.errno == errno.ENOSPC and "a.safetensors" in str(err.value)
+    assert list(tmp_path.iterdir()) == []  # the partial temp file is gone
 
 
 # ----------------------------------------------------------------------------------------------
