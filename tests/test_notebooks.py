@@ -246,6 +246,7 @@ QUOTED = re.compile(
 # Decimals after these words are references, not measurements: "arXiv 2203.11171", "section 5.2"
 # (and the numbers listed after one: "sections 2.4 and 4.1").
 REFERENCE_WORDS = ("arxiv", "section", "sections", "eq.", "equation", "table", "figure", "fig.",
+                   "exercise", "exercises",
                    "version", "python", "chapter", "chapters")
 REFERENCE_LIST = re.compile(r"\s*(?:,|and|or|to|-)?\s*")
 # Code spans, math, link targets and HTML tags are not prose (a hand computation written as
