@@ -1,4 +1,4 @@
-"""Draw the diagrams of the chapter 2, 4, 5 and 9 notebooks (notebooks/figures/chNN_*.png).
+"""Draw the diagrams of the chapter 2, 3, 4, 5 and 9 notebooks (notebooks/figures/chNN_*.png).
 
 Boxes and arrows drawn with matplotlib; the notebooks show the committed images, so a reader
 needs nothing but a browser. Redraw after changing a diagram:
@@ -71,6 +71,21 @@ def model_diagram():
     _save(fig, "ch02_qwen3_model.png")
 
 
+def evaluation_diagram():
+    """Chapter 3: from a problem to a reward."""
+    fig, ax = _canvas(10.4, 1.6)
+    steps = [("problem", "data"), ("prompt\n(render_prompt)", "data"),
+             ("model: greedy,\nbatched", "model"), ("last \\boxed{...}\n(no fallback)", "check"),
+             ("normalise\n(LaTeX, units)", "check"), ("grade: exact,\nthen sandboxed\nsympy",
+                                                      "check"), ("reward\n1 or 0", "out")]
+    xs = [0.9 + 1.85 * i for i in range(len(steps))]
+    for x, (text, kind) in zip(xs, steps):
+        _box(ax, x, 1.0, text, kind, w=1.5, h=1.0, size=8)
+    for a, b in zip(xs, xs[1:]):
+        _arrow(ax, (a + 0.77, 1.0), (b - 0.77, 1.0))
+    _save(fig, "ch03_evaluation_pipeline.png")
+
+
 def vote_diagram():
     """Chapter 4: self-consistency."""
     fig, ax = _canvas(8.8, 3.2)
@@ -139,6 +154,7 @@ def distillation_diagram():
 
 if __name__ == "__main__":
     model_diagram()
+    evaluation_diagram()
     vote_diagram()
     scorer_diagram()
     distillation_diagram()
