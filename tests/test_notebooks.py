@@ -246,8 +246,7 @@ QUOTED = re.compile(
 # Decimals after these words are references, not measurements: "arXiv 2203.11171", "section 5.2"
 # (and the numbers listed after one: "sections 2.4 and 4.1").
 REFERENCE_WORDS = ("arxiv", "section", "sections", "eq.", "equation", "table", "figure", "fig.",
-                   "exercise", "exercises",
-                   "version", "python", "chapter", "chapters")
+                   "exercise", "exercises", "version", "python", "chapter", "chapters")
 REFERENCE_LIST = re.compile(r"\s*(?:,|and|or|to|-)?\s*")
 # Code spans, math, link targets and HTML tags are not prose (a hand computation written as
 # math, $6/13 = 0.4615$, is not a quote of an output).
@@ -298,7 +297,7 @@ def _supported(value, decimals, percent, printed):
     tolerance = 0.5 * 10.0 ** -decimals + 1e-9
     for v, d in printed:
         if d < decimals:  # a printed 0.3 is not the source of a quoted 0.35 (but of 0.30)
-            if v == value or v == abs(value) and value >= 0:
+            if v == value or (value >= 0 and -v == value):
                 return True
             continue
         if abs(v - value) <= tolerance or (value >= 0 and abs(-v - value) <= tolerance):
@@ -314,7 +313,7 @@ def unsupported_numbers(nb):
         found = re.findall(rf"(?<![\w.])-?{NUMBER}|{NUMBER}", text)
         return [(float(t), _decimals(t)) for t in found]
 
-    printed = numbers(_output_text(nb).replace(",", ""))
+    printed = numbers(re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", _output_text(nb)))  # 1,000
     literals = numbers("\n".join(_code_sources(nb)))
     problems = []
     for i, cell in enumerate(nb.cells):
