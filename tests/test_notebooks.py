@@ -428,3 +428,30 @@ def test_exercise_check_flags_missing_exercises_and_solutions():
         "the solutions notebook does not answer exercises [(3, 1)]"]
     nb.cells = nb.cells[:1]
     assert exercise_problems(nb, 4, solutions) == ["no '## Exercises' section"]
+
+
+# --- figures: every image a notebook shows exists, and the diagrams can be redrawn -------------
+
+IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_images_exist(path):
+    missing = [link for cell in _read(path).cells if cell.cell_type == "markdown"
+               for link in IMAGE_LINK.findall(cell.source)
+               if "://" not in link and not (path.parent / link).is_file()]
+    assert not missing, f"{_name(path)} shows images that do not exist: {missing}"
+
+
+def test_diagrams_are_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    script = NOTEBOOK_DIR / "figures" / "ch02_ch09_diagrams.py"
+    spec = importlib.util.spec_from_file_location("diagrams", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(tmp_path)
+    drawn = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert len(drawn) == len(module.DIAGRAMS)
+    committed = {p.name for p in (NOTEBOOK_DIR / "figures").glob("*.png")}
+    assert set(drawn) <= committed, "redraw: python notebooks/figures/ch02_ch09_diagrams.py"
+    assert all((tmp_path / name).stat().st_size > 5_000 for name in drawn)

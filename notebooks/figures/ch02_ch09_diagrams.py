@@ -43,12 +43,12 @@ def _canvas(width, height):
     return fig, ax
 
 
-def _save(fig, name):
-    fig.savefig(HERE / name, dpi=110, bbox_inches="tight")
+def _save(fig, path):
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
-def model_diagram():
+def model_diagram(out_dir):
     """Chapter 2: the Qwen3 model, bottom to top."""
     fig, ax = _canvas(6.4, 6.4)
     x = 4.0
@@ -68,10 +68,10 @@ def model_diagram():
                                 fill=False, edgecolor="#d93025", linestyle="--"))
     ax.text(x + 2.75, 2.95, "transformer block\nx num_hidden_layers", fontsize=8,
             color="#d93025", va="center")
-    _save(fig, "ch02_qwen3_model.png")
+    _save(fig, out_dir / "ch02_qwen3_model.png")
 
 
-def evaluation_diagram():
+def evaluation_diagram(out_dir):
     """Chapter 3: from a problem to a reward."""
     fig, ax = _canvas(10.4, 1.6)
     steps = [("problem", "data"), ("prompt\n(render_prompt)", "data"),
@@ -83,10 +83,10 @@ def evaluation_diagram():
         _box(ax, x, 1.0, text, kind, w=1.5, h=1.0, size=8)
     for a, b in zip(xs, xs[1:]):
         _arrow(ax, (a + 0.77, 1.0), (b - 0.77, 1.0))
-    _save(fig, "ch03_evaluation_pipeline.png")
+    _save(fig, out_dir / "ch03_evaluation_pipeline.png")
 
 
-def vote_diagram():
+def vote_diagram(out_dir):
     """Chapter 4: self-consistency."""
     fig, ax = _canvas(8.8, 3.2)
     p = _box(ax, 1.2, 2.0, "prompt", "data", w=1.6)
@@ -105,10 +105,10 @@ def vote_diagram():
     _box(ax, 10.0, 2.0, "vote\n12: 2, 9: 1\n-> 12", "out", w=1.4, h=1.1)
     ax.text(4.0, 4.05, "N samples (temperature > 0)", ha="center", fontsize=9)
     ax.text(6.7, 4.05, "boxed answer,\npooled by the grader", ha="center", fontsize=9)
-    _save(fig, "ch04_self_consistency.png")
+    _save(fig, out_dir / "ch04_self_consistency.png")
 
 
-def scorer_diagram():
+def scorer_diagram(out_dir):
     """Chapter 5: best-of-N and refinement, both driven by a scorer."""
     fig, ax = _canvas(9.2, 3.4)
     ax.text(0.2, 3.95, "best-of-N", fontsize=11, weight="bold")
@@ -132,10 +132,10 @@ def scorer_diagram():
     ax.annotate("", xy=(f[0], f[1] + 0.45), xytext=(k[0] + 0.6, k[1] + 0.45),
                 arrowprops=dict(arrowstyle="->", color="#5f6368",
                                 connectionstyle="arc3,rad=-0.25"))
-    _save(fig, "ch05_best_of_n_and_refinement.png")
+    _save(fig, out_dir / "ch05_best_of_n_and_refinement.png")
 
 
-def distillation_diagram():
+def distillation_diagram(out_dir):
     """Chapter 9: rejection sampling and SFT."""
     fig, ax = _canvas(9.6, 2.6)
     t = _box(ax, 1.3, 2.2, "teacher\n(e.g. the chapter 7\nGRPO model)", "model", w=2.2, h=1.1)
@@ -149,13 +149,19 @@ def distillation_diagram():
     _arrow(ax, (f[0], f[1] - 0.45), (st[0], st[1] + 0.45))
     ax.text(7.2, 1.35, "rejected samples are dropped", ha="center", fontsize=8,
             color="#5f6368")
-    _save(fig, "ch09_distillation.png")
+    _save(fig, out_dir / "ch09_distillation.png")
+
+
+DIAGRAMS = (model_diagram, evaluation_diagram, vote_diagram, scorer_diagram,
+            distillation_diagram)
+
+
+def main(out_dir: Path = HERE) -> None:
+    """Draw every diagram into `out_dir`."""
+    for draw in DIAGRAMS:
+        draw(out_dir)
+    print("drawn:", ", ".join(sorted(p.name for p in out_dir.glob("ch0*.png"))))
 
 
 if __name__ == "__main__":
-    model_diagram()
-    evaluation_diagram()
-    vote_diagram()
-    scorer_diagram()
-    distillation_diagram()
-    print("drawn:", ", ".join(sorted(p.name for p in HERE.glob("ch0*.png"))))
+    main()
