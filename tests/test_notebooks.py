@@ -17,6 +17,8 @@ they run, they are clean, they match the package, their text agrees with their o
 - Every chapter notebook ends with an "Exercises" section of 2-3 exercises (`### Exercise N.k`
   headings) and has a solutions notebook, notebooks/solutions/chNN_solutions.ipynb, that
   answers each of them under the same heading.
+- Every image a notebook's text shows exists; the diagrams under notebooks/figures/ can be
+  redrawn by notebooks/figures/ch02_ch09_diagrams.py.
 
 Select these tests with `pytest -m notebooks`, skip them with `pytest -m "not notebooks"`.
 """
