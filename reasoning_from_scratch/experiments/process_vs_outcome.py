@@ -103,8 +103,10 @@ ARMS = {
     # the configuration chapter 8 recommends (see docs/process_supervision_forms.md)
     "recommended": ("verifier-think", "progress"),
 }
-# Per-arm GRPOConfig values that differ from the shared flags.
-ARM_CONFIG = {"recommended": {"process_alpha": 1.0}}
+# Per-arm GRPOConfig values that differ from the shared flags. The recommended arm drops the
+# groups whose token advantages are all zero (equal outcomes and equal verified steps): they
+# carry no signal, and training on them doubled the update's cost.
+ARM_CONFIG = {"recommended": {"process_alpha": 1.0, "skip_zero_advantage": True}}
 DEFAULT_ARMS = "outcome,verifier,mc,prm,verifier+outcome"
 LABELS = {
     "outcome": "outcome", "verifier": "process (verifier)", "mc": "process (MC)",
@@ -118,7 +120,7 @@ LABELS = {
     "mc-delta": "outcome + MC value differences",
     "online-prm": "outcome + progress (online PRM, verifier labels)",
     "online-prm-outcome": "outcome + progress (online PRM, outcome labels)",
-    "recommended": "recommended: outcome + progress (verifier, think-format steps only)",
+    "recommended": "recommended: outcome + progress (verifier-think, skip zero-signal groups)",
 }
 COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm": "tab:orange",
           "verifier+outcome": "tab:olive", "mc+outcome": "tab:purple",
@@ -181,8 +183,8 @@ def _run_config(arm, seed, values, args, prm_path, run_dir):
         d.update(supervision="process",
                  step_scorer=f"{spec}:{prm_path}" if _uses_prm(arm) else spec,
                  process_variant=variant or values["process_variant"],
-                 skip_zero_advantage=args.process_skip_zero_advantage,
-                 **ARM_CONFIG.get(arm, {}))
+                 skip_zero_advantage=args.process_skip_zero_advantage)
+        d.update(ARM_CONFIG.get(arm, {}))
     return GRPOConfig.from_dict(d)
 
 
