@@ -34,6 +34,7 @@ from .plotting import plot_grpo_metrics
 from .prompts import render_prompt
 from .run_log import EVAL_COLUMNS, MetricsLog, eval_cells
 from .sft import make_sft_optimizer, mean_completion_loss, train_sft
+from .tracking import open_tracker, report_targets
 from .validation import at_least, check, in_range, non_negative, positive
 
 DISTILL_COLUMNS = ["step", "loss", "lr", "tokens", "step_s", "train_s", "val_loss",
@@ -73,6 +74,7 @@ class DistillConfig:
     eval_max_new_tokens: int = 112
     eval_batch_size: int = 100
     checkpoint_every: int = 0  # 0: only the final checkpoint (and on Ctrl-C)
+    report_to: tuple[str, ...] = ()  # live logging: "tensorboard", "wandb" (tracking.py)
     seed: int = 0
     output_dir: str = "runs/distill"
     progress: bool = True
@@ -80,6 +82,7 @@ class DistillConfig:
     def __post_init__(self):
         for name, rule in DISTILL_RULES.items():
             check(name, getattr(self, name), rule)
+        self.report_to = report_targets(self.report_to)
 
     @classmethod
     def from_dict(cls, d: dict) -> DistillConfig:
@@ -168,6 +171,8 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
                      keep_upto=run.completed if resume_from is not None else None)
     if resume_from is None:
         atomic_write_json(out / "config.json", asdict(config))
+    tracker = open_tracker(config.report_to, out, asdict(config),
+                           resume_step=run.completed if resume_from is not None else None)
 
     def evaluate_into_row():
         hook("eval", run.completed)
@@ -175,12 +180,16 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
         with defer_interrupts():
             run.last_eval, run.eval_pending = figures, False
             log.patch_last_row(eval_cells(figures, DISTILL_EVAL_COLUMNS))
+        tracker.log_eval(eval_cells(figures, DISTILL_EVAL_COLUMNS), run.completed)
+        plot_grpo_metrics(out / "metrics.csv", DISTILL_PLOT_COLUMNS, save_as=out / "metrics.png")
 
     def on_update(k, stats):
         hook("update", k)
         now = time.time()
         run.train_seconds += now - run.tick
-        log.append({"step": k, **stats, "step_s": now - run.tick, "train_s": run.train_seconds})
+        row = {"step": k, **stats, "step_s": now - run.tick, "train_s": run.train_seconds}
+        log.append(row)
+        tracker.log_row(row)
         run.completed = k
         run.eval_pending = bool(config.eval_every and k % config.eval_every == 0
                                 and k < config.steps)
@@ -198,6 +207,7 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
         if run.base is None:
             hook("base_eval", 0)
             run.base = run.last_eval = evaluate_now()
+            tracker.log_eval(eval_cells(run.base, DISTILL_EVAL_COLUMNS), 0)
         if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
             evaluate_into_row()
         run.tick = time.time()
@@ -213,13 +223,16 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
             hook("final_save", run.completed)
             run.last_eval = final
             log.patch_last_row(eval_cells(final, DISTILL_EVAL_COLUMNS))
+            tracker.log_eval(eval_cells(final, DISTILL_EVAL_COLUMNS), run.completed)
             run.checkpoint("final")
             summary = _summary(run, final, len(train_recs), len(val_recs), len(eval_set),
                                time.time() - t_start)
             atomic_write_json(out / "summary.json", summary)
             plot_grpo_metrics(out / "metrics.csv", DISTILL_PLOT_COLUMNS,
                               save_as=out / "metrics.png")
+            tracker.close()
     except KeyboardInterrupt:
+        tracker.close()
         with defer_interrupts():
             path = run.checkpoint()
         tqdm.write(f"interrupted: {path} holds {run.completed} update(s); continue with "

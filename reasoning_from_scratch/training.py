@@ -84,6 +84,7 @@ from .prompts import render_prompt
 from .rewards import build_reward
 from .run_log import MetricsLog, append_samples, eval_cells, truncate_samples
 from .tokenizer import pad_id_of
+from .tracking import RunTracker, open_tracker, report_targets
 from .validation import (
     at_least,
     check,
@@ -207,6 +208,7 @@ class GRPOConfig:
     eval_batch_size: int = 50
     sample_every: int = 10  # write the step's completions to samples.jsonl every N steps
     checkpoint_every: int = 0  # 0: only the final checkpoint (and on Ctrl-C)
+    report_to: tuple[str, ...] = ()  # live logging: "tensorboard", "wandb" (tracking.py)
     seed: int = 123
     output_dir: str = "runs/grpo"
     progress: bool = True
@@ -226,6 +228,7 @@ class GRPOConfig:
                              f"got {self.supervision!r}")
         for name, rule in CONFIG_RULES.items():
             check(name, getattr(self, name), rule)
+        self.report_to = report_targets(self.report_to)  # "none", names or a list -> a tuple
 
     @property
     def eval_tokens(self) -> int:
@@ -433,6 +436,7 @@ class _Run:
         self.saved = None  # (completed, eval_pending) of the last checkpoint written
         self.bad_steps = 0  # consecutive steps with a non-finite loss or gradient
         self.log = None  # rank 0's MetricsLog (`open_logs`)
+        self.tracker = RunTracker()  # rank 0's live reporting (`open_logs`); others: nothing
 
     def open_logs(self, columns, resumed):
         """Rank 0 opens metrics.csv and samples.jsonl (dropping rows after a resumed step) and,
@@ -448,6 +452,8 @@ class _Run:
         if not resumed:
             atomic_write_json(self.out / "config.json",
                               {**asdict(self.config), "world_size": world_size()})
+        self.tracker = open_tracker(self.config.report_to, self.out, asdict(self.config),
+                                    resume_step=self.completed if resumed else None)
 
     def log_step(self, row, samples):
         """Rank 0: a step's metrics row, and its completions every `sample_every` steps."""
@@ -455,13 +461,25 @@ class _Run:
             return
         self.log.append(row)
         every = self.config.sample_every
-        if every and row["step"] % every == 0:
+        sampled = bool(every and row["step"] % every == 0)
+        if sampled:
             append_samples(self.out / "samples.jsonl", row["step"], samples)
+        self.tracker.log_row(row)
+        self.tracker.log_rollouts(row["step"], samples, with_text=sampled)
 
     def log_eval(self, figures):
-        """Rank 0: an evaluation's figures into the last metrics row."""
+        """Rank 0: an evaluation's figures into the last metrics row (the base model's, before
+        any row, to the trackers alone, at step 0)."""
         if self.main:
-            self.log.patch_last_row(eval_cells(figures))
+            if self.completed:
+                self.log.patch_last_row(eval_cells(figures))
+            self.tracker.log_eval(eval_cells(figures), self.completed)
+
+    def plot(self):
+        """Rank 0: metrics.png redrawn from metrics.csv (a run stopped early keeps its picture)."""
+        if self.main:
+            plot_grpo_metrics(self.out / "metrics.csv", PLOT_COLUMNS,
+                              save_as=self.out / "metrics.png")
 
     def checkpoint(self, name=None):
         """Save `checkpoint-<completed>` (or `name`), unless this exact state is saved already;
@@ -560,6 +578,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
             if run.base is None:
                 hook("base_eval", 0)
                 run.base = run.last_eval = evaluate_now()
+                run.log_eval(run.base)
                 _print(config, f"base model: held-out {_eval_line(run.base)} "
                                f"({len(eval_set)} examples)")
             if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
@@ -609,8 +628,10 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                 run.checkpoint("final")
                 summary = _summary(run, final, len(eval_set), time.time() - t_start)
                 run_on_main(_write_summary, out, summary)
+                run.tracker.close()
         except KeyboardInterrupt:
             bar.close()
+            run.tracker.close()
             with defer_interrupts():
                 path = run.checkpoint()
             if run.main:  # printed even without progress output
@@ -651,6 +672,7 @@ def _evaluate_step(run, evaluate_now, hook):
     with defer_interrupts():
         run.last_eval, run.eval_pending = figures, False
         run.log_eval(figures)
+    run.plot()
     _print(run.config, f"step {run.completed}: EVAL {_eval_line(figures)}")
 
 

@@ -38,6 +38,7 @@ from .distributed import (
 from .files import atomic_write_json
 from .grpo import KL_ESTIMATORS, LOSS_TYPES, REWARD_NORMALIZATIONS, SCALE_REWARDS
 from .process import VARIANTS
+from .tracking import REPORT_CHOICES, missing_backend, report_targets
 from .training import CONFIG_RULES, DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
 from .validation import arg_type, at_least, optional_positive_int
 from .weights import load_pretrained
@@ -96,6 +97,9 @@ CONFIG_HELP = {
     "eval_batch_size": "prompts per batch in evaluation",
     "sample_every": "append the step's completions to samples.jsonl every N steps (0: never)",
     "checkpoint_every": "save a resumable checkpoint every N steps (0: only the final one)",
+    "report_to": "watch the run live: log metrics, evaluations, reward histograms and sampled "
+                 "completions to tensorboard (<run>/tensorboard) and/or wandb (<run>/wandb, "
+                 "offline without an account); several allowed, none: off",
     "seed": "random seed (prompt order, rollout sampling)",
     "output_dir": "run directory for metrics, samples, checkpoints, summary and plot",
     "progress": "show the progress bar and per-step lines",
@@ -117,6 +121,9 @@ def add_config_arguments(parser, defaults: GRPOConfig):
         if f.name == "output_dir":
             continue  # the scripts add it with a timestamped default
         flag, default = "--" + f.name.replace("_", "-"), getattr(defaults, f.name)
+        if f.name == "report_to":  # several names
+            add_report_argument(parser, default)
+            continue
         if isinstance(default, bool):
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
                                 help=CONFIG_HELP[f.name])
@@ -127,6 +134,20 @@ def add_config_arguments(parser, defaults: GRPOConfig):
             value_type = arg_type(kind, CONFIG_RULES.get(f.name), f.name in OPTIONAL_TYPES)
         parser.add_argument(flag, type=value_type, default=default, choices=CHOICES.get(f.name),
                             help=CONFIG_HELP[f.name])
+
+
+def add_report_argument(parser, default=()):
+    """--report-to: the live logging backends of tracking.py, several allowed (default none)."""
+    parser.add_argument("--report-to", nargs="+", choices=REPORT_CHOICES,
+                        default=list(default) or ["none"], help=CONFIG_HELP["report_to"])
+
+
+def check_report_backends(parser, names):
+    """Refuse (parser.error, one line) a backend whose package is not installed, before the
+    model loads or a file is written."""
+    for name in report_targets(names):
+        if problem := missing_backend(name):
+            parser.error(problem)
 
 
 def add_data_arguments(parser):
@@ -252,6 +273,7 @@ def resolve_run(parser, args, argv, run_prefix):
         if data["dataset"] != "arith" and "train_level_weights" not in explicit:
             data["train_level_weights"] = None  # the level mix is the arithmetic world's default
         config = GRPOConfig.from_dict(values)
+        check_report_backends(parser, config.report_to)
         if env_world_size() > config.prompts_per_step:
             raise ValueError(f"{env_world_size()} processes need --prompts-per-step >= "
                              f"{env_world_size()} (whole groups per process), got "
