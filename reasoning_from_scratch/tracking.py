@@ -43,7 +43,7 @@ WANDB_DIR = "wandb"  # W&B makes this folder inside the `dir` it is given (the r
 WANDB_PROJECT = "reasoning-from-scratch"  # unless WANDB_PROJECT is set
 TEXT_GROUPS = 2  # completions shown as text: the best and the worst of this many prompts
 # Sample keys that are not reward terms (the terms are shown next to the total reward).
-SAMPLE_FIELDS = ("problem", "answer", "text", "reward", "advantage", "length", "truncated",
+SAMPLE_FIELDS = ("step", "problem", "answer", "text", "reward", "advantage", "length", "truncated",
                  "steps", "step_rewards")
 
 
