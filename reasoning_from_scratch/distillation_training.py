@@ -3,8 +3,10 @@
 `train_distillation` is `sft.train_sft` (the loop that also pretrained the bundled model) inside a
 run directory like a GRPO run's: config.json, metrics.csv (one row per update: loss, learning
 rate, tokens, seconds; plus the held-out evaluation every `eval_every` updates: validation loss on
-held-back traces and greedy accuracy on the evaluation problems), metrics.png, checkpoints in
-the Hugging Face layout with optimizer and RNG state (`checkpoints.py`), final/, summary.json.
+held-back traces and greedy accuracy on the evaluation problems), metrics.png (redrawn at every
+evaluation; rows and evaluations also go to TensorBoard / W&B with `report_to`, tracking.py),
+checkpoints in the Hugging Face layout with optimizer and RNG state (`checkpoints.py`), final/,
+summary.json.
 Ctrl-C saves `checkpoint-<k>` and `resume_from` continues exactly: the batch schedule and the
 learning rate are functions of the step, so the resumed run's weights equal an uninterrupted
 run's.
@@ -232,9 +234,9 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
                               save_as=out / "metrics.png")
             tracker.close()
     except KeyboardInterrupt:
-        tracker.close()
         with defer_interrupts():
             path = run.checkpoint()
+        tracker.close()
         tqdm.write(f"interrupted: {path} holds {run.completed} update(s); continue with "
                    f"--resume {out}")
         raise

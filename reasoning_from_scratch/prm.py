@@ -443,11 +443,11 @@ def train_prm_on_arithmetic(policy, tokenizer, out_dir, labels: str = "verifier"
                            batch_size=batch_size, seed=seed,
                            log_every=max(1, len(train_records) // batch_size), tracker=tracker)
     except KeyboardInterrupt:  # keep what was trained: a loadable PRM, marked as unfinished
-        tracker.close()
         with defer_interrupts():
             save_prm(prm, tokenizer, out / "interrupted")
             atomic_write_json(out / "interrupted" / "prm_report.json",
                               {**report, "interrupted": True})
+        tracker.close()
         log(f"interrupted: the partly trained PRM is in {out / 'interrupted'} (rerun to finish; "
             "the data are regenerated identically from the seed)")
         raise

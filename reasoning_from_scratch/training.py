@@ -5,7 +5,9 @@ prefill per prompt), score them, turn rewards into group-relative advantages, th
 `inner_epochs` AdamW updates on the clipped GRPO loss of that batch. Everything a run produces
 lives in `config.output_dir`: metrics.csv (one row per step), samples.jsonl, checkpoints
 (`checkpoint-<step>/`, see checkpoints.py), final/, summary.json (incl. the base model's
-evaluation) and metrics.png. The command-line front end is training_cli.py.
+evaluation) and metrics.png (redrawn at every evaluation). With `report_to` the same rows,
+evaluations and samples also go to TensorBoard and/or W&B as they are written (tracking.py).
+The command-line front end is training_cli.py.
 
 Interrupts lose nothing: the update, its metrics row and a checkpoint write are critical
 sections (interrupts.py), and Ctrl-C at any other moment saves `checkpoint-<k>` holding exactly
@@ -631,9 +633,9 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                 run.tracker.close()
         except KeyboardInterrupt:
             bar.close()
-            run.tracker.close()
             with defer_interrupts():
                 path = run.checkpoint()
+            run.tracker.close()  # after the checkpoint: closing may take a moment
             if run.main:  # printed even without progress output
                 tqdm.write(f"interrupted: {path} holds {run.completed} update(s); continue "
                            f"with --resume {out}")
