@@ -158,6 +158,31 @@ def test_tensorboard_histograms_every_step_and_sampled_completions_with_step_sco
     assert f"| {shown[0]['step_rewards'][0]:.3f} |" in md
 
 
+def test_a_resumed_run_hides_the_events_after_its_checkpoint(tiny_dir, tmp_path):
+    """Resumed from checkpoint-2 of a finished 4-step run, the event files hold steps 3 and 4
+    once (the first session's are purged, as metrics.csv drops their rows), and every scalar
+    still equals its metrics.csv cell."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    config = _grpo_config(out, checkpoint_every=2, report_to=("tensorboard",))
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", config)
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", config, resume_from=out / "checkpoint-2")
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/reward_mean")] == [1, 2, 3, 4]
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 2, 4]
+    for col, by_step in _csv_columns(out / "metrics.csv").items():
+        if col.startswith("eval_"):
+            continue
+        logged = {e.step: e.value for e in events.Scalars(scalar_tag(col))}
+        assert logged == pytest.approx(by_step, rel=1e-5, abs=1e-6), col
+
+
 def test_samples_markdown_hand_built():
     samples = [
         {"problem": "1+2", "answer": "3", "text": "Step 1: 1+2=3\n\\boxed{3}", "reward": 1.5,
