@@ -263,6 +263,28 @@ def test_distillation_and_prm_report_their_rows(tiny_dir, tmp_path):
         zip(range(1, 5), losses))
 
 
+def test_ch09_script_reports_to_tensorboard(tiny_dir, tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from reasoning_from_scratch.distillation import write_traces
+
+    traces = write_traces([{"problem": f"Compute {a} + {b}.", "answer": str(a + b),
+                            "completion": f"Step 1: {a} + {b} = {a + b}\n\\boxed{{{a + b}}}"}
+                           for a, b in [(1, 2), (3, 4), (5, 6)]], tmp_path / "traces.jsonl")
+    out = tmp_path / "run"
+    main = runpy.run_path(str(ROOT / "chapters" / "ch09_distill.py"), run_name="ch09")["main"]
+    main(["--teacher", str(tiny_dir), "--student", str(tiny_dir), "--traces", str(traces),
+          "--output-dir", str(out), "--steps", "3", "--batch-size", "2", "--eval-examples", "2",
+          "--eval-max-new-tokens", "4", "--eval-every", "0", "--val-fraction", "0",
+          "--no-progress", "--device", "cpu", "--threads", "1", "--report-to", "tensorboard"])
+    assert json.loads((out / "config.json").read_text())["report_to"] == ["tensorboard"]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 3]
+
+
 # ----------------------------------------------------------------------------------------------
 # W&B, offline
 # ----------------------------------------------------------------------------------------------
