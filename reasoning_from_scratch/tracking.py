@@ -39,7 +39,6 @@ BACKENDS = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"),
             "wandb": ("wandb", "wandb")}
 REPORT_CHOICES = ("none", *BACKENDS)
 TENSORBOARD_DIR = "tensorboard"  # inside the run directory
-WANDB_DIR = "wandb"  # W&B makes this folder inside the `dir` it is given (the run directory)
 WANDB_PROJECT = "reasoning-from-scratch"  # unless WANDB_PROJECT is set
 TEXT_GROUPS = 2  # completions shown as text: the best and the worst of this many prompts
 # Sample keys that are not reward terms (the terms are shown next to the total reward).
@@ -212,8 +211,9 @@ class RunTracker:
         self.backends = []
 
     def _scalars(self, values: dict, step: int):
-        values = {k: float(v) for k, v in values.items()
-                  if isinstance(v, (int, float))}
+        if not self.backends:
+            return
+        values = {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
         for b in self.backends:
             b.scalars(values, step)
             b.flush()
