@@ -291,13 +291,14 @@ def test_ch09_script_reports_to_tensorboard(tiny_dir, tmp_path):
 
 
 def test_wandb_offline_writes_its_run_files(tiny_dir, tmp_path, monkeypatch):
-    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed")
     monkeypatch.setenv("WANDB_MODE", "offline")  # never the network
     monkeypatch.setenv("WANDB_SILENT", "true")
     assert tracking.wandb_mode() == "offline"
     model, tok = load_pretrained(tiny_dir, device="cpu")
     out = tmp_path / "run"
     train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", _grpo_config(out, report_to=("wandb",)))
+    wandb.teardown()  # W&B's service process writes the record log: wait until it has
     (run,) = (out / "wandb").glob("offline-run-*")
     (history,) = run.glob("run-*.wandb")
     data = history.read_bytes()
