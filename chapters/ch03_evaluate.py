@@ -9,7 +9,7 @@ Examples:
 import argparse
 import json
 
-from reasoning_from_scratch.datasets import add_dataset_arguments, load_examples_from_args
+from reasoning_from_scratch.datasets import add_dataset_arguments, load_examples_or_exit
 from reasoning_from_scratch.device import device_arg, get_device
 from reasoning_from_scratch.evaluation import evaluate
 from reasoning_from_scratch.prompts import render_prompt, render_prompt_with_think_tokens
@@ -56,7 +56,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    examples = load_examples_from_args(args, args.limit)
+    examples = load_examples_or_exit(args.dataset, args.split, args.data_path,
+                                     args.cache_dir, args.limit)
     device = get_device(args.device)
     model, tokenizer = load_pretrained(args.model, device=device)
     print(f"model: {args.model} on {device}; dataset: {args.dataset} ({len(examples)} examples)")

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from reasoning_from_scratch.datasets import add_dataset_arguments, load_examples_from_args
+from reasoning_from_scratch.datasets import add_dataset_arguments, load_examples_or_exit
 from reasoning_from_scratch.device import device_arg, get_device
 from reasoning_from_scratch.evaluation import evaluate
 from reasoning_from_scratch.grading import grade_answer
@@ -149,7 +149,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    examples = load_examples_from_args(args, args.limit)
+    examples = load_examples_or_exit(args.dataset, args.split, args.data_path,
+                                     args.cache_dir, args.limit)
     device = get_device(args.device)
     model, tokenizer = load_pretrained(args.model, device=device)
     print(f"model: {args.model} on {device}; {args.dataset}: {len(examples)} problems")

@@ -6,7 +6,7 @@ model's confidence (mean log-prob), by the blind step verifier and by a learned 
 product, last step), PRM-weighted voting, and the oracle pass@N; step-level beam search against
 the PRM (and the verifier); self-refinement with the verifier, the PRM or the model itself as the
 critic. Writes results.json, a markdown table and the figure. The measurement is in
-reasoning_from_scratch/inference_scaling_experiment.py; this script parses the flags.
+reasoning_from_scratch/experiments/inference_scaling.py; this script parses the flags.
 
 The learned PRM (--prm auto): the one cached in <output-dir>/prm, else trained there first from
 the first --model (`prm.train_prm_on_arithmetic`, verifier labels, about 2 minutes on a CPU).
@@ -27,11 +27,9 @@ from pathlib import Path
 
 import torch
 
-from reasoning_from_scratch.datasets import add_dataset_arguments, load_examples_from_args
+from reasoning_from_scratch.datasets import add_dataset_arguments, load_examples_or_exit
 from reasoning_from_scratch.device import device_arg, get_device
-from reasoning_from_scratch.experiments import jsonable
-from reasoning_from_scratch.files import atomic_write_json
-from reasoning_from_scratch.inference_scaling_experiment import (
+from reasoning_from_scratch.experiments.inference_scaling import (
     METHODS,
     beam_shape,
     is_arithmetic,
@@ -39,6 +37,8 @@ from reasoning_from_scratch.inference_scaling_experiment import (
     run_scaling_experiment,
     scaling_table,
 )
+from reasoning_from_scratch.experiments.stats import jsonable
+from reasoning_from_scratch.files import atomic_write_json
 from reasoning_from_scratch.prm import CONFIG_FILE as PRM_CONFIG_FILE
 from reasoning_from_scratch.prm import load_prm, train_prm_on_arithmetic
 from reasoning_from_scratch.validation import (
@@ -165,7 +165,8 @@ def main(argv=None):
             parser.error(f"--beam-ns: {err}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    examples = load_examples_from_args(args, args.limit)
+    examples = load_examples_or_exit(args.dataset, args.split, args.data_path,
+                                     args.cache_dir, args.limit)
     device = get_device(args.device)
     out = Path(args.output_dir)
     start = time.perf_counter()

@@ -8,8 +8,8 @@ Examples:
 
 import sys
 
+from reasoning_from_scratch.cli.train import parse_train_args, run_training
 from reasoning_from_scratch.training import CHAPTER6_RECIPE, GRPOConfig
-from reasoning_from_scratch.training_cli import run_cli
 
 # Chapter 6's algorithm (see CHAPTER6_RECIPE): the book's sequence loss, no clipping, no KL,
 # correctness reward only.
@@ -17,7 +17,10 @@ CH06_DEFAULTS = GRPOConfig(**CHAPTER6_RECIPE)
 
 
 def main(argv=None):
-    return run_cli(argv, __doc__.splitlines()[0], CH06_DEFAULTS, "ch06")
+    """Parse and check the flags (every GRPOConfig field is one), then train; returns the
+    summary."""
+    run = parse_train_args(argv, __doc__.splitlines()[0], CH06_DEFAULTS, "ch06")
+    return run_training(run)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Chapter 7: GRPO variants side by side on one task at equal rollouts, several seeds each.
 
-Arms (reasoning_from_scratch/grpo_comparison.py describes each and the table's columns): the
-chapter 6 recipe, the chapter 7 default, the dapo and dr_grpo losses, no format reward, the KL as
-per-token k3 vs the book's sequence-level estimate, and with 4 inner epochs per batch: clipping,
+Arms (reasoning_from_scratch/experiments/grpo_variants.py describes each and the table's columns):
+the chapter 6 recipe, the chapter 7 default, the dapo and dr_grpo losses, no format reward, the KL
+as per-token k3 vs the book's sequence-level estimate, and with 4 inner epochs per batch: clipping,
 no clipping, clip-higher, gspo and cispo. Writes <output-dir>/results.md, results.json and
 grpo_variants.png; finished runs are reused and interrupted ones resumed, so the same command
 continues a stopped comparison. Two processes can share the work (different --arms or --seeds),
@@ -20,22 +20,22 @@ from dataclasses import fields
 
 import torch
 
-from reasoning_from_scratch.device import get_device
-from reasoning_from_scratch.distributed import refuse_multiple_processes
-from reasoning_from_scratch.grpo_comparison import (
-    ARMS,
-    COMPARISON_DEFAULTS,
-    DEFAULT_ARMS,
-    run_comparison,
-)
-from reasoning_from_scratch.training import GRPOConfig
-from reasoning_from_scratch.training_cli import (
+from reasoning_from_scratch.cli.train import (
     DATA_FLAGS,
     add_config_arguments,
     add_data_arguments,
     add_runtime_arguments,
     load_grpo_data,
 )
+from reasoning_from_scratch.device import get_device
+from reasoning_from_scratch.distributed import refuse_multiple_processes
+from reasoning_from_scratch.experiments.grpo_variants import (
+    ARMS,
+    COMPARISON_DEFAULTS,
+    DEFAULT_ARMS,
+    run_comparison,
+)
+from reasoning_from_scratch.training import GRPOConfig
 from reasoning_from_scratch.validation import choice_list, seed_list
 from reasoning_from_scratch.weights import load_pretrained
 

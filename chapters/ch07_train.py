@@ -11,14 +11,17 @@ Examples:
 
 import sys
 
+from reasoning_from_scratch.cli.train import parse_train_args, run_training
 from reasoning_from_scratch.training import GRPOConfig
-from reasoning_from_scratch.training_cli import run_cli
 
 CH07_DEFAULTS = GRPOConfig()  # the library defaults are the chapter 7 recipe
 
 
 def main(argv=None):
-    return run_cli(argv, __doc__.splitlines()[0], CH07_DEFAULTS, "ch07")
+    """Parse and check the flags (every GRPOConfig field is one), then train; returns the
+    summary."""
+    run = parse_train_args(argv, __doc__.splitlines()[0], CH07_DEFAULTS, "ch07")
+    return run_training(run)
 
 
 if __name__ == "__main__":

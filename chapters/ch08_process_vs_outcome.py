@@ -4,8 +4,8 @@ Trains the same base model with the same GRPO settings several ways (arms: outco
 prm, verifier+outcome, mc+outcome), several seeds each, evaluates checkpoints along the way and
 writes a table (results.md, results.json) and a figure (process_vs_outcome.png) comparing them at
 equal training steps and at equal generated tokens. The experiment, its arms and the table's
-columns are described in reasoning_from_scratch/supervision_experiment.py; this script parses the
-flags and calls its `run_experiment`.
+columns are described in reasoning_from_scratch/experiments/process_vs_outcome.py; this
+script parses the flags and calls its `run_experiment`.
 
 Examples:
     python chapters/ch08_process_vs_outcome.py                     # the full experiment
@@ -16,22 +16,24 @@ Examples:
 
 import argparse
 import sys
+from dataclasses import fields
 
 import torch
 
-from reasoning_from_scratch.distributed import refuse_multiple_processes
-from reasoning_from_scratch.supervision_experiment import (
-    ARMS,
-    DEFAULT_ARMS,
-    PER_RUN,
-    run_experiment,
-)
-from reasoning_from_scratch.training import GRPOConfig
-from reasoning_from_scratch.training_cli import (
+from reasoning_from_scratch.cli.train import (
     add_config_arguments,
     add_data_arguments,
     add_runtime_arguments,
 )
+from reasoning_from_scratch.distributed import refuse_multiple_processes
+from reasoning_from_scratch.experiments.process_vs_outcome import (
+    ARMS,
+    DEFAULT_ARMS,
+    PER_RUN,
+    ExperimentSettings,
+    run_experiment,
+)
+from reasoning_from_scratch.training import GRPOConfig
 from reasoning_from_scratch.validation import (
     choice_list,
     optional_positive_int,
@@ -55,7 +57,7 @@ def build_parser():
                    help="base model of every run (and of the PRM trained for the prm arm)")
     p.add_argument("--arms", type=choice_list(ARMS), default=DEFAULT_ARMS,
                    help="comma-separated arms: " + ", ".join(ARMS)
-                   + " (see reasoning_from_scratch/supervision_experiment.py)")
+                   + " (see reasoning_from_scratch/experiments/process_vs_outcome.py)")
     p.add_argument("--seeds", type=seed_list, default="0,1,2",
                    help="comma-separated seeds, one run per arm each")
     p.add_argument("--eval-points", type=positive_int, default=4,
@@ -90,8 +92,6 @@ def build_parser():
     g.add_argument("--prm-epochs", type=positive_int, default=3, help="PRM training epochs")
     g.add_argument("--prm-lr", type=positive_float, default=1e-3, help="PRM AdamW learning rate")
     g.add_argument("--prm-batch-size", type=positive_int, default=16, help="PRM records per update")
-    g = p.add_argument_group("GRPO settings shared by every arm (GRPOConfig)")
-    add_config_arguments(g, GRPOConfig())
     helps = {
         "process_variant": "process advantage of the verifier, mc and prm arms: sum "
                            "(DeepSeekMath) | process+outcome | min (PURE) | position (the "
@@ -100,9 +100,8 @@ def build_parser():
                        "PRM's labels with --prm-labels mc)",
         **{name: f"not used here: {why}" for name, why in PER_RUN.items()},
     }
-    for action in p._actions:
-        if action.dest in helps:
-            action.help = helps[action.dest]
+    g = p.add_argument_group("GRPO settings shared by every arm (GRPOConfig)")
+    add_config_arguments(g, GRPOConfig(), helps)
     return p
 
 
@@ -115,10 +114,16 @@ def main(argv=None):
     for name, why in PER_RUN.items():
         if getattr(args, name) != getattr(defaults, name):
             parser.error(f"--{name.replace('_', '-')} is not used here: {why}")
-    arms, seeds = args.arms, args.seeds
     if args.threads:
         torch.set_num_threads(args.threads)
-    return run_experiment(args, arms, seeds)
+    settings = ExperimentSettings(**{f.name: getattr(args, f.name)
+                                     for f in fields(ExperimentSettings)})
+    try:
+        config = GRPOConfig.from_dict({k: v for k, v in vars(args).items()
+                                       if k != "output_dir"})  # the experiment's directory
+    except ValueError as err:
+        parser.error(str(err))
+    return run_experiment(settings, config, args.arms, args.seeds)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from reasoning_from_scratch.cli.train import add_report_argument, check_report_backends
 from reasoning_from_scratch.device import device_arg, get_device
 from reasoning_from_scratch.distributed import refuse_multiple_processes
 from reasoning_from_scratch.prm import CONFIG_FILE as PRM_CONFIG_FILE
 from reasoning_from_scratch.prm import train_prm_on_arithmetic
-from reasoning_from_scratch.training_cli import add_report_argument, check_report_backends
 from reasoning_from_scratch.validation import non_negative_int, positive_float, positive_int
 from reasoning_from_scratch.weights import load_pretrained
 

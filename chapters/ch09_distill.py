@@ -15,11 +15,13 @@ Examples:
 
 import sys
 
-from reasoning_from_scratch.distillation_cli import run_distill_cli
+from reasoning_from_scratch.cli.distill import parse_distill_args, run_distillation
 
 
 def main(argv=None):
-    return run_distill_cli(argv, __doc__.splitlines()[0])
+    """Parse and check the flags, then sample the teacher and distil; returns the summary."""
+    run = parse_distill_args(argv, __doc__.splitlines()[0])
+    return run_distillation(run)
 
 
 if __name__ == "__main__":

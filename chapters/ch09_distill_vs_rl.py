@@ -7,7 +7,7 @@ them; self_distill: the same with the student as its own teacher (rejection-samp
 grpo: the chapter 7 recipe on the student itself. Writes <output-dir>/results.md,
 results.json and the accuracy-vs-seconds figure; finished runs are reused and interrupted ones
 resumed. Two processes can share the work (--arms distill / --arms grpo), then `--report-only`.
-reasoning_from_scratch/distillation_experiment.py explains what is charged to each arm.
+reasoning_from_scratch/experiments/distill_vs_rl.py explains what is charged to each arm.
 
 Examples:
     python chapters/ch09_distill_vs_rl.py                     # 3 arms x 3 seeds, ~40 min on 2 cores
@@ -20,20 +20,20 @@ import sys
 
 import torch
 
-from reasoning_from_scratch.device import get_device
-from reasoning_from_scratch.distillation_cli import (
+from reasoning_from_scratch.cli.distill import (
     ONE_PROCESS_ONLY,
     add_teacher_arguments,
     chapter7_teacher,
 )
-from reasoning_from_scratch.distillation_experiment import (
+from reasoning_from_scratch.cli.train import add_runtime_arguments, load_grpo_data
+from reasoning_from_scratch.device import get_device
+from reasoning_from_scratch.distributed import refuse_multiple_processes
+from reasoning_from_scratch.experiments.distill_vs_rl import (
     EXPERIMENT_ARMS,
     EXPERIMENT_DEFAULTS,
     run_distill_vs_rl,
 )
-from reasoning_from_scratch.distributed import refuse_multiple_processes
 from reasoning_from_scratch.training import DEFAULT_TRAIN_LEVEL_WEIGHTS
-from reasoning_from_scratch.training_cli import add_runtime_arguments, load_grpo_data
 from reasoning_from_scratch.validation import choice_list, positive_int, seed_list
 from reasoning_from_scratch.weights import load_pretrained
 

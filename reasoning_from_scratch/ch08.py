@@ -1,6 +1,13 @@
-"""Chapter 8 index: process supervision (steps, scorers, PRM, outcome vs process; imports only)."""
+"""Chapter 8 index: process supervision (steps, scorers, PRM, outcome vs process; imports only).
+The book's chapter 8, distillation, is chapter 9 here (`ch09`; docs/book_compatibility.md)."""
 
 from .arithmetic import first_error_step, parse_steps, verify_steps
+from .experiments.process_vs_outcome import (
+    plot_process_vs_outcome,
+    run_experiment,
+    summarise,
+    write_table,
+)
 from .prm import (
     PRMStepScorer,
     ProcessRewardModel,
@@ -17,9 +24,3 @@ from .process_supervision import (
     process_token_advantages,
 )
 from .step_scorers import MonteCarloStepScorer, StepScorer, VerifierStepScorer
-from .supervision_experiment import (
-    plot_process_vs_outcome,
-    run_experiment,
-    summarise,
-    write_table,
-)

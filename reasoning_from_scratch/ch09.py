@@ -1,4 +1,5 @@
-"""Chapter 9 index: distillation (teacher traces, rejection sampling, SFT; imports only)."""
+"""Chapter 9 index: distillation (teacher traces, rejection sampling, SFT; imports only). The
+book's chapter 8 is distillation: its checkpoints download here (docs/book_compatibility.md)."""
 
 from .distillation import (
     filter_traces,
@@ -8,6 +9,7 @@ from .distillation import (
     verify_trace,
     write_traces,
 )
-from .distillation_experiment import run_distill_vs_rl
 from .distillation_training import DistillConfig, split_traces, train_distillation
+from .downloads import download_qwen3_distill_checkpoints
+from .experiments.distill_vs_rl import run_distill_vs_rl
 from .sft import collate, completion_loss, train_sft

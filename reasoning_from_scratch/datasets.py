@@ -19,9 +19,11 @@ import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from .arithmetic import make_split
+from .files import atomic_write_json
 
 
 @dataclass(frozen=True)
@@ -231,8 +233,33 @@ def load_math500(path=None, cache_dir=None):
     return _load_rows("math500", path, cache_dir, _math_row)
 
 
-def load_math_train(path=None, cache_dir=None):
-    """The MATH training problems without the MATH-500 ones (12,000 problems)."""
+def _with_local_copy(load, local_path, save_copy):
+    """The book's loaders: read `local_path` if it is there, else load (downloading into the
+    cache) and, with `save_copy`, write the rows to `local_path` as a JSON array."""
+    local_path = Path(local_path)
+    if local_path.exists():
+        return load(path=local_path)
+    rows = load()
+    if save_copy:
+        atomic_write_json(local_path, rows)
+    return rows
+
+
+def load_math500_test(local_path="math500_test.json", save_copy=True):
+    """The book's MATH-500 loader (chapter 3): `local_path` if there, else downloaded (and saved
+    there with `save_copy`)."""
+    return _with_local_copy(load_math500, local_path, save_copy)
+
+
+def load_math_train(path=None, cache_dir=None, local_path=None, save_copy=True):
+    """The MATH training problems without the MATH-500 ones (12,000 problems).
+
+    `local_path` is the book's form (chapter 6): that file if it is there, else downloaded and
+    (with `save_copy`) saved there.
+    """
+    if local_path is not None:
+        return _with_local_copy(partial(load_math_train, cache_dir=cache_dir), local_path,
+                                save_copy)
     return _load_rows("math_train", path, cache_dir, _math_row)
 
 
@@ -306,11 +333,10 @@ def add_dataset_arguments(parser, dataset_help="evaluation set (math = the 12k M
                              "~/.cache/reasoning_from_scratch)")
 
 
-def load_examples_from_args(args, n=None):
-    """The first `n` examples the `add_dataset_arguments` flags name; a bad file or split exits
-    with one line (SystemExit), not a traceback."""
+def load_examples_or_exit(dataset, split=None, path=None, cache_dir=None, n=None):
+    """The first `n` examples of the set the `add_dataset_arguments` flags name; a bad file or
+    split exits with one line (SystemExit), not a traceback."""
     try:
-        return load_dataset_by_name(args.dataset, split=args.split, path=args.data_path,
-                                    cache_dir=args.cache_dir, n=n)
+        return load_dataset_by_name(dataset, split=split, path=path, cache_dir=cache_dir, n=n)
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"error: {err}") from None

@@ -36,26 +36,19 @@ from .plotting import plot_grpo_metrics
 from .prompts import render_prompt
 from .run_log import EVAL_COLUMNS, MetricsLog, eval_cells
 from .sft import make_sft_optimizer, mean_completion_loss, train_sft
-from .tracking import open_tracker, report_targets
-from .validation import at_least, check, in_range, non_negative, positive
+from .tracking import open_tracker, report_problem, report_targets
+from .validation import at_least, check_fields, in_range, non_negative, option, positive
 
 DISTILL_COLUMNS = ["step", "loss", "lr", "tokens", "step_s", "train_s", "val_loss",
                    *EVAL_COLUMNS.values()]
 DISTILL_PLOT_COLUMNS = ["loss", "val_loss", "eval_accuracy", "eval_step_correctness"]
 DISTILL_EVAL_COLUMNS = {**EVAL_COLUMNS, "val_loss": "val_loss"}  # figure -> metrics.csv column
 
-DISTILL_RULES = {
-    "steps": at_least(1), "batch_size": at_least(1), "lr": positive, "warmup": non_negative,
-    "weight_decay": non_negative, "grad_clip": positive, "min_lr_ratio": in_range(0, 1),
-    "val_fraction": in_range(0, 1, high_open=True), "eval_every": non_negative,
-    "eval_examples": at_least(1), "eval_max_new_tokens": at_least(1),
-    "eval_batch_size": at_least(1), "checkpoint_every": non_negative, "seed": non_negative,
-}
-
-
 @dataclass
 class DistillConfig:
     """Every knob of a distillation run; defaults fit the bundled model and the chapter 7 teacher.
+    Each field carries its help and valid range (`validation.option`); cli/distill.py builds the
+    flags from them.
 
     Checked on the arithmetic val split (chapter 7 teacher, 2000 problems x 4 samples, ~1900
     traces): at lr 5e-4 (cosine to a tenth) with 32 traces per update, accuracy was 0.64-0.66
@@ -63,34 +56,52 @@ class DistillConfig:
     300 updates (5 epochs) leave a margin for other seeds and trace sets.
     """
 
-    steps: int = 300
-    batch_size: int = 32
-    lr: float = 5e-4
-    warmup: int = 20
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    min_lr_ratio: float = 0.1
-    val_fraction: float = 0.05  # traces held back (by problem) for the validation loss
-    eval_every: int = 50  # 0: only before and after training
-    eval_examples: int = 200
-    eval_max_new_tokens: int = 112
-    eval_batch_size: int = 100
-    checkpoint_every: int = 0  # 0: only the final checkpoint (and on Ctrl-C)
-    report_to: tuple[str, ...] = ()  # live logging: "tensorboard", "wandb" (tracking.py)
-    seed: int = 0
-    output_dir: str = "runs/distill"
-    progress: bool = True
+    steps: int = option(300, "SFT updates of the student", rule=at_least(1))
+    batch_size: int = option(32, "traces per update", rule=at_least(1))
+    lr: float = option(5e-4, "peak AdamW learning rate (linear warmup, cosine decay)",
+                       rule=positive)
+    warmup: int = option(20, "updates of linear learning-rate warmup", rule=non_negative)
+    weight_decay: float = option(0.0, "AdamW weight decay of the weight matrices",
+                                 rule=non_negative)
+    grad_clip: float = option(1.0, "clip the gradient norm to this value", rule=positive)
+    min_lr_ratio: float = option(0.1, "the cosine decay ends at lr x this", rule=in_range(0, 1))
+    val_fraction: float = option(
+        0.05, "fraction of the traced problems held back for the validation loss",
+        rule=in_range(0, 1, high_open=True))
+    eval_every: int = option(50, "evaluate every N updates (0: only before and after training)",
+                             rule=non_negative)
+    eval_examples: int = option(200, "held-out problems evaluated (the first N)", rule=at_least(1))
+    eval_max_new_tokens: int = option(112, "maximum generated tokens per evaluation answer",
+                                      rule=at_least(1))
+    eval_batch_size: int = option(100, "problems per evaluation batch", rule=at_least(1))
+    checkpoint_every: int = option(
+        0, "save a resumable checkpoint every N updates (0: the final one only, and one on "
+        "Ctrl-C)", rule=non_negative)
+    report_to: tuple[str, ...] = option(
+        (), "watch the run live: log metrics and evaluations to tensorboard (<run>/tensorboard) "
+        "and/or wandb (<run>/wandb, offline without an account); several comma-separated "
+        "(tensorboard,wandb); none: off",
+        rule=report_problem)
+    seed: int = option(0, "seed of the teacher sampling, the trace split and the batch order",
+                       rule=non_negative)
+    output_dir: str = option(
+        "runs/distill", "run directory (traces, metrics, checkpoints, summary; None: "
+        "runs/ch09-<time>)")
+    progress: bool = option(True, "show progress bars")
 
     def __post_init__(self):
-        for name, rule in DISTILL_RULES.items():
-            check(name, getattr(self, name), rule)
-        self.report_to = report_targets(self.report_to)
+        check_fields(self)
+        self.report_to = report_targets(self.report_to)  # "none", names or a list -> a tuple
 
     @classmethod
     def from_dict(cls, d: dict) -> DistillConfig:
         """Config from a dict, ignoring unknown keys."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# The valid range of each DistillConfig field, from its metadata (kept for importers)
+DISTILL_RULES = {f.name: f.metadata["rule"] for f in fields(DistillConfig) if f.metadata["rule"]}
 
 
 def split_traces(records, val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:

@@ -89,7 +89,12 @@ def get_last_boxed(text):
 
 
 def extract_final_candidate(text, fallback="number_then_full"):
-    """Last boxed answer of `text`; if none, by `fallback`: last number, whole text, or ""."""
+    """Last boxed answer of `text`; if none, by `fallback`: last number, whole text, or "".
+
+    `fallback=None` (the book's "require \\boxed{}") is "none".
+    """
+    if fallback is None:
+        fallback = "none"
     if fallback not in _FALLBACKS:
         raise ValueError(f"fallback must be one of {_FALLBACKS}, got {fallback!r}")
     if not text:
@@ -508,6 +513,16 @@ def _sympy_value(s, sp):
     tree = _parse(s)
     _exact_value(tree)  # re-run the size guards in this process too
     return _to_sympy(tree, sp)
+
+
+def to_sympy(text, sp):
+    """The `sp` (sympy module) object of a normalised scalar answer such as '2x+3x' or
+    '\\frac{3}{4}', built by the safe parser above (never `eval`); None if it does not parse or
+    is too big. Whitespace is ignored."""
+    try:
+        return _sympy_value("".join(str(text).split()), sp)
+    except (ValueError, ZeroDivisionError, OverflowError, TypeError):  # _ParseError, _TooBig
+        return None
 
 
 def _sympy_set(s, sp, depth=0):

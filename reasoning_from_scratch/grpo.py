@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .generation import sample_rollouts_batch
-from .process_supervision import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
 from .tokenizer import pad_id_of
@@ -139,8 +138,8 @@ def _answer_log_softmax(model, token_ids, prompt_len):
     """Log-softmax rows (n, V) predicting the n answer tokens, and those tokens (n,)."""
     if token_ids.dim() != 1:
         raise ValueError(f"token_ids must be 1-D (prompt + answer), got {tuple(token_ids.shape)}")
-    if not 1 <= prompt_len <= token_ids.shape[0]:
-        raise ValueError(f"prompt_len {prompt_len} outside [1, {token_ids.shape[0]}]")
+    if prompt_len < 1:  # at or past the end: no answer tokens (0 log-prob, as in the book)
+        raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
     logits = model(token_ids.unsqueeze(0)).squeeze(0).float()  # (T, V)
     logprobs = torch.log_softmax(logits, dim=-1)
     # Row t predicts token t+1, so the answer tokens token_ids[prompt_len:] come from rows
@@ -397,37 +396,12 @@ def clipped_policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsi
                         tis_cap=None, off_policy_mask_threshold=None, kl_estimator="k3"):
     """GRPO loss = -surrogate + beta x KL - entropy_coef x entropy, and detached statistics.
 
-    logp/old_logp/ref_logp/entropy/sampler_logp (B, T) per token, mask (B, T) real answer tokens,
-    advantages (B,) per completion (outcome supervision) or (B, T) per token (process
-    supervision). Loss types (the policy term):
-    - grpo / dapo / dr_grpo: the clipped surrogate per token, reduced by `aggregate_loss`.
-    - sequence: ratio and clipping on the summed log-probs of a completion (book chapters 6-7).
-    - gspo (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071):
-      s_i = exp(mean_t(logp - old_logp)), the length-normalised sequence ratio;
-      loss = -mean_i min(s_i A_i, clip(s_i, 1 - eps, 1 + eps_high) A_i). GSPO-token's
-      sg-form has the same gradient. The paper clips far tighter (eps 3e-4 / 4e-4) than PPO.
-    - cispo (MiniMax-M1, arXiv 2506.13585, eq. 4): loss = -sum_{i,t} sg(min(r_it, 1 + eps_high))
-      A_it logp_it / (answer tokens in the batch), r_it = exp(logp - old_logp); `epsilon` only
-      sets the default eps_high (no lower bound, as in the paper); epsilon=None: no cap.
-    "sequence" and "gspo" need (B,) advantages. The KL (kl_estimator "k3": per token, always >= 0;
-    "sequence": the book's chapter 7 summed logp - ref_logp per answer, mean over answers, whose
-    gradient is zero on average and which can go negative, kept to show why it fails) and the
-    entropy bonus are reduced like the policy term (`aggregate_loss`: gspo per-sequence token
-    mean, cispo batch token mean; the bonus as a per-sequence mean for "sequence"). Sequences
-    without answer tokens add 0 to every term.
-    Off-policy options (policy term only, the KL and entropy terms are untouched; default off):
-    - tis_cap=C with sampler_logp: truncated importance sampling, see `truncated_is_weight`.
-    - off_policy_mask_threshold=delta: DeepSeek-V3.2 masking, see `off_policy_sequence_mask`;
-      the KL is measured against sampler_logp when given, else against old_logp. The masked
-      terms become 0 but keep their place in the normalisers, as in the paper's equation.
-    Returns a dict: loss (tensor; connected to the graph whenever logp requires grad, even with
-    an all-False mask), and detached floats pg_loss, kl, entropy (mean per answer token),
-    ratio_mean, ratio_max (over answer tokens; for "sequence"/"gspo" over completions with
-    answer tokens, of their sequence ratio; None when nothing counts), clip_frac_low,
-    clip_frac_high (fraction of those tokens/completions where the clipped side of the min is
-    active; cispo: where the IS weight hit its cap, always "high"), tis_weight_mean (mean TIS
-    weight, 1.0 when off, None when nothing counts) and off_policy_mask_frac (fraction of
-    completions with answer tokens of which the mask removed some or all).
+    logp/old_logp/ref_logp/entropy/sampler_logp (B, T) per token, mask (B, T) answer tokens,
+    advantages (B,) per completion (outcome) or (B, T) per token (process supervision; not for
+    the sequence-level losses "sequence" and "gspo"). Returns {"loss": tensor (connected to the
+    graph whenever logp requires grad), pg_loss, kl, entropy, ratio_mean, ratio_max,
+    clip_frac_low, clip_frac_high, tis_weight_mean, off_policy_mask_frac} (detached floats;
+    ratio statistics are None when no answer token counts).
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -455,6 +429,13 @@ def clipped_policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsi
                                         off_policy_mask_threshold)
         weight = weight * (opsm if sequence_level else _as_column(opsm, logp))
 
+    # Policy term. Token level (grpo / dapo / dr_grpo, DeepSeekMath eq. 3; cispo, MiniMax-M1
+    # eq. 4: -sg(min(r, 1 + eps_high)) A logp, where `epsilon` only sets the default eps_high):
+    # the clipped surrogate per token, reduced by `aggregate_loss`. Sequence level ("sequence":
+    # the book's summed log-prob ratio; gspo, arXiv 2507.18071: s_i = exp(mean_t(logp -
+    # old_logp)), clipped like PPO's ratio): one ratio per completion. TIS and off-policy masking
+    # (`weight`) touch the policy term only; masked terms keep their place in the normalisers,
+    # as in DeepSeek-V3.2's equation.
     if sequence_level:
         seq_logp = _seq_reduce(logp, maskf, loss_type)  # (B,) summed or token-mean log-probs
         seq_old = _seq_reduce(old_logp, maskf, loss_type)
@@ -467,6 +448,8 @@ def clipped_policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsi
         ratio, count = torch.exp(logp - old_logp), maskf
     loss = pg_loss
 
+    # KL to the frozen reference: k3 per token (always >= 0), or the book's chapter 7 summed
+    # logp - ref_logp per answer ("sequence": zero gradient on average, kept to show why it fails)
     kl = torch.zeros((), device=logp.device)
     if ref_logp is not None and beta:
         if kl_estimator == "sequence":  # the book's chapter 7: summed logp - ref_logp per answer
@@ -787,10 +770,12 @@ def grpo_loss_on_batch(model, batch: RolloutBatch, old_logp=None, ref_logp=None,
     if not entropy_coef:
         entropy = entropy.detach()
     old = logp.detach() if old_logp is None else old_logp
-    out = clipped_policy_loss(logp, old, batch.advantages, batch.completion_mask, loss_type,
-                              epsilon, epsilon_high, ref_logp, beta, entropy, entropy_coef,
-                              max_completion_length, sampler_logp, tis_cap,
-                              off_policy_mask_threshold, kl_estimator)
+    out = clipped_policy_loss(
+        logp, old, batch.advantages, batch.completion_mask, loss_type=loss_type,
+        epsilon=epsilon, epsilon_high=epsilon_high, ref_logp=ref_logp, beta=beta,
+        entropy=entropy, entropy_coef=entropy_coef, max_completion_length=max_completion_length,
+        sampler_logp=sampler_logp, tis_cap=tis_cap,
+        off_policy_mask_threshold=off_policy_mask_threshold, kl_estimator=kl_estimator)
     out["num_tokens"] = int(batch.completion_mask.sum())
     return out
 
@@ -801,7 +786,6 @@ def compute_grpo_loss(model, tokenizer, example, device, num_rollouts=8, max_new
                       epsilon_high=None, beta=0.0, ref_model=None, scale_rewards="group",
                       entropy_coef=0.0, mask_truncated=False, chunk_size=1024, generator=None,
                       prompt_fn=render_prompt, advantage_fn=None, supervision="outcome",
-                      step_scorer="verifier", process_variant="sum", step_split="tags",
                       logprob_temperature=1.0):
     """GRPO loss for one example (book chapters 6-7 contract), batched over its G rollouts.
 
@@ -811,33 +795,33 @@ def compute_grpo_loss(model, tokenizer, example, device, num_rollouts=8, max_new
     rewards, advantages, samples, loss_tensor (backpropagate this), policy_ratio, clip_fraction,
     entropy. A KL term needs `beta > 0` and a frozen `ref_model`. See `clipped_policy_loss` and
     `aggregate_loss` for loss_type/epsilon/epsilon_high, `group_advantages` for scale_rewards,
-    `collect_rollouts` for advantage_fn (token-level advantages). supervision="process" builds
-    that advantage_fn from `step_scorer` (verifier | verifier-signed | mc | mc-hard | prm:PATH or
-    a scorer object), `process_variant` and `step_split` (see `process.make_process_advantage_fn`:
-    DeepSeekMath section 4.1.3 process supervision). logprob_temperature: the T of the policy's
-    and reference's log-probs (1.0: the book's; TRL uses the sampling `temperature`).
+    `collect_rollouts` for advantage_fn (token-level advantages). supervision="process" needs
+    that advantage_fn, built by `process_supervision.make_process_advantage_fn` (DeepSeekMath
+    section 4.1.3). logprob_temperature: the T of the policy's and reference's log-probs (1.0:
+    the book's; TRL uses the sampling `temperature`).
     """
     if supervision not in ("outcome", "process"):
         raise ValueError(f"supervision must be 'outcome' or 'process', got {supervision!r}")
     if supervision == "process" and advantage_fn is None:
-        advantage_fn = make_process_advantage_fn(
-            tokenizer, step_scorer, process_variant, step_split, model=model, device=device,
-            mc_max_new_tokens=max_new_tokens, mc_temperature=temperature,
-        )
+        raise ValueError("supervision='process' needs advantage_fn=make_process_advantage_fn("
+                         "tokenizer, step_scorer, ...) from process_supervision.py")
     if beta and ref_model is None:
         raise ValueError("compute_grpo_loss: beta > 0 needs a frozen ref_model")
     if reward_fn is None:
         reward_fn = build_reward(tokenizer, format_reward_weight, format_reward_conditional)
-    batch = collect_rollouts(model, tokenizer, [example], device, reward_fn, num_rollouts,
-                             max_new_tokens, temperature, top_p, generator, scale_rewards,
-                             mask_truncated=mask_truncated, prompt_fn=prompt_fn,
-                             advantage_fn=advantage_fn)
+    batch = collect_rollouts(model, tokenizer, [example], device, reward_fn,
+                             num_rollouts=num_rollouts, max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_p=top_p, generator=generator,
+                             scale_rewards=scale_rewards, mask_truncated=mask_truncated,
+                             prompt_fn=prompt_fn, advantage_fn=advantage_fn)
     ref_logp = None
     if beta:
         with torch.no_grad():
             ref_logp, _ = batch_logprobs(ref_model, batch, chunk_size, False, logprob_temperature)
-    out = grpo_loss_on_batch(model, batch, None, ref_logp, loss_type, epsilon, epsilon_high, beta,
-                             entropy_coef, max_new_tokens, chunk_size, logprob_temperature)
+    out = grpo_loss_on_batch(model, batch, ref_logp=ref_logp, loss_type=loss_type,
+                             epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
+                             entropy_coef=entropy_coef, max_completion_length=max_new_tokens,
+                             chunk_size=chunk_size, temperature=logprob_temperature)
     loss_tensor = out["loss"]
     return {
         "loss": loss_tensor.item(),

@@ -40,7 +40,7 @@ from .grading import (
     normalize_text,
     reward_rlvr,
 )
-from .grpo import token_logprobs_and_entropy
+from .grpo import sequence_logprob
 from .prm import PRMStepScorer, encode_steps, score_steps_batch
 from .process import split_steps, step_texts
 from .step_scorers import StepScorer, as_step_scorer
@@ -183,6 +183,7 @@ def _vote_result(texts: list[str], lengths: list[int], fallback: str) -> dict:
     short = extract_answers(texts, fallback)
     buckets = pool_answers(short)
     final, votes = majority_vote(short)
+    top = max((len(idx) for _, idx in buckets), default=0)
     return {
         "final_answer": final,
         "votes": votes,
@@ -190,6 +191,8 @@ def _vote_result(texts: list[str], lengths: list[int], fallback: str) -> dict:
         "short_answers": short,
         "counts": {rep: len(idx) for rep, idx in buckets},
         "groups": {rep: idx for rep, idx in buckets},
+        # the book's key: every answer with the top vote count (several on a tie)
+        "majority_winners": [rep for rep, idx in buckets if len(idx) == top],
         "num_samples": len(texts),
         "num_generated_tokens": int(sum(lengths)),
     }
@@ -200,16 +203,21 @@ def self_consistency_vote(model, tokenizer, prompt: str, device, num_samples: in
                           max_new_tokens: int = 512, early_stop: bool = False,
                           chunk_size: int | None = None,
                           generator: torch.Generator | None = None,
-                          fallback: str = "none") -> dict:
+                          fallback: str = "none", show_progress: bool = False,
+                          show_long_answer: bool = False, seed: int | None = None) -> dict:
     """Self-consistency (Wang et al. 2022): sample, extract the final answers, majority vote.
 
     Samples are drawn in chunks of `chunk_size` (default: all `num_samples` at once), each chunk
     one prefill shared by its samples (`sample_rollouts`). With `early_stop`, sampling stops after
     a chunk once the vote is decided (`majority_is_decided`): the final answer is then the same as
     without early stopping (same chunks, same generator), at a fraction of the tokens.
-    Returns final_answer, votes, full_answers, short_answers, counts, groups, num_samples (drawn),
-    num_generated_tokens and stopped_early.
+    Returns final_answer, votes, full_answers, short_answers, counts, groups, majority_winners,
+    num_samples (drawn), num_generated_tokens and stopped_early.
+    The book's arguments: `seed` seeds a generator when none is given; `show_progress` prints
+    each sample's short answer, `show_long_answer` its full text.
     """
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     chunk = num_samples if chunk_size is None else chunk_size
@@ -223,7 +231,13 @@ def self_consistency_vote(model, tokenizer, prompt: str, device, num_samples: in
         ro = sample_rollouts(model, tokenizer, prompt, g, device, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_p=top_p, top_k=top_k,
                              generator=generator)
-        texts += ro.texts
+        for text in ro.texts:
+            texts.append(text)
+            if show_long_answer:
+                print(text)
+            if show_progress:
+                short = extract_answers([text], fallback)[0]
+                print(f"[Sample {len(texts)}/{num_samples}] -> {short!r}")
         lengths += ro.lengths.tolist()
         remaining = num_samples - len(texts)
         if early_stop and remaining and majority_is_decided(extract_answers(texts, fallback),
@@ -262,22 +276,21 @@ def self_consistency_vote_batch(model, tokenizer, prompts: Sequence[str], device
 
 
 @torch.no_grad()
-def avg_logprob_answer(model, tokenizer, prompt: str, answer: str, device) -> float:
+def avg_logprob_answer(model, tokenizer, prompt: str, answer: str, device="cpu") -> float:
     """Mean log-probability of the tokens of `answer` after `prompt` (the book's confidence).
 
     Prompt and answer are encoded separately and concatenated (the book's convention); the
-    log-probs come from one forward pass (`grpo.token_logprobs_and_entropy`) at temperature 1,
-    the model's own distribution. -inf for an empty answer (never preferred).
+    log-probs come from one plain forward pass, ``model(ids)`` (`grpo.sequence_logprob`), at
+    temperature 1, the model's own distribution. -inf for an empty answer (never preferred).
     """
     prompt_ids, answer_ids = tokenizer.encode(prompt), tokenizer.encode(answer)
     if not answer_ids:
         return float("-inf")
     if not prompt_ids:
         raise ValueError("the prompt encodes to zero tokens")
-    ids = torch.tensor([prompt_ids + answer_ids], dtype=torch.long, device=device)  # (1, L)
-    logp, _ = token_logprobs_and_entropy(model, ids, prompt_len=len(prompt_ids),
-                                         with_entropy=False)  # (1, Tc)
-    return float(logp.mean())
+    ids = torch.tensor(prompt_ids + answer_ids, dtype=torch.long, device=device)  # (L,)
+    with torch.no_grad():
+        return float(sequence_logprob(model, ids, len(prompt_ids))) / len(answer_ids)
 
 
 def mean_logprobs(rollouts: Rollouts) -> list[float]:

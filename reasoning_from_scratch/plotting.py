@@ -29,8 +29,8 @@ def moving_average(values, window_fraction=0.25):
     The first points average what exists so far, so the output has the input's length.
     None/NaN entries are skipped inside each window (NaN where a window holds none).
     """
-    if not 0 < window_fraction <= 1:
-        raise ValueError(f"window_fraction must be in (0, 1], got {window_fraction}")
+    if not 0 <= window_fraction <= 1:  # 0: a 1-point window, no smoothing (as in the book)
+        raise ValueError(f"window_fraction must be in [0, 1], got {window_fraction}")
     window = max(1, int(len(values) * window_fraction))
     out = []
     for i in range(len(values)):

@@ -7,17 +7,17 @@ advantages the clipped GRPO loss consumes:
 1. `split_steps` cuts a completion's text into character spans (one per step) that cover the whole
    text, by explicit `Step N:` tags, blank lines, newlines or a user regex.
 2. `step_token_ends` maps those character spans onto the completion's tokens with the tokenizer's
-   character offsets, so each token belongs to exactly one step (never equal token counts per step,
-   as the user's sketch did), and returns the index of each step's last token.
+   character offsets, so each token belongs to exactly one step (step boundaries follow the text,
+   not equal token counts per step), and returns the index of each step's last token.
 3. `process_advantages` turns the step rewards of the G completions of one prompt into a
    `(G, T)` advantage tensor following DeepSeekMath section 4.1.3 (Shao et al. 2024,
    arXiv 2402.03300): normalise all step rewards of the group together, then give token t the sum
    of the normalised rewards of the steps that end at or after t. Variants: process + outcome,
    PURE's min-form credit (Cheng et al. 2025, arXiv 2504.15275), per-step-position normalisation.
 
-`process_token_advantages` glues the three together for a batch of rollouts and a step scorer
-(see `step_scorers.py`); `step_statistics` gives the numbers that reveal process-reward failure
-modes in training logs.
+`process_supervision.process_token_advantages` glues the three together for a batch of rollouts
+and a step scorer (see `step_scorers.py`); `step_statistics` here gives the numbers that reveal
+process-reward failure modes in training logs.
 
 Known failure modes of process advantages (logged by `step_statistics`):
 - With the summed ("sum") credit, a token's advantage is the sum over the steps still to come, so

@@ -125,14 +125,6 @@ class ProcessAdvantageFn:
         return out.to(completion_mask.device) * completion_mask.to(out.device)
 
 
-#: metrics.csv columns filled from `ProcessAdvantageFn.last_stats` (MC cost columns only for mc).
-PROCESS_METRIC_COLUMNS = [
-    "steps_per_completion", "steps_per_completion_max", "tokens_per_step", "step_reward_mean",
-    "step_reward_std", "step_correct_rate", "first_error_step", "error_free_rate",
-    "mc_generated_tokens", "mc_rollouts", "mc_seconds",
-]
-
-
 def make_process_advantage_fn(
     tokenizer, step_scorer="verifier", variant: str = "sum", split_mode: str = "tags",
     pattern: str | None = None, model=None, device=None, mc_rollouts: int = 4,

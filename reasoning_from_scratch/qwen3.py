@@ -18,11 +18,19 @@ The module tree mirrors Hugging Face ``Qwen3ForCausalLM`` attribute for attribut
   buffers written in place (``max_len``; what ``generation.generate`` uses for decoding).
 - ``Qwen3Model``: ``model(input_ids, attention_mask=None, cache=None) -> logits (B, T, V)``.
   Batches of prompts of different lengths use left padding plus an attention mask.
+
+The book's protocol works on the same classes (docs/book_compatibility.md): ``Qwen3Model``
+also takes the book's config dict (``QWEN_CONFIG_06_B``: ``emb_dim``, ``n_layers``, ...), its
+``cfg`` answers the book's keys (``model.cfg["n_layers"]``), ``load_state_dict`` also accepts
+the book's ``.pth`` names (``tok_emb``, ``trf_blocks.N.att.W_query``, ``final_norm.scale``,
+``out_head``; ``book_to_hf_state_dict`` / ``hf_to_book_state_dict`` convert both ways), and
+``KVCache(n_layers=...)`` has the book's ``get`` / ``update`` / ``reset``.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -30,9 +38,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .downloads import (
+    download_qwen3_distill_checkpoints,
+    download_qwen3_grpo_checkpoints,
+    download_qwen3_small,
+)
+from .tokenizer import Qwen3Tokenizer
+
 __all__ = [
     "Qwen3Config",
     "QWEN3_0_6B_CONFIG",
+    "QWEN_CONFIG_06_B",
+    "book_to_hf_state_dict",
+    "hf_to_book_state_dict",
+    "load_hf_weights_into_qwen",
+    # the book's qwen3 module also offers these (their homes: tokenizer.py, downloads.py)
+    "Qwen3Tokenizer",
+    "download_qwen3_small",
+    "download_qwen3_grpo_checkpoints",
+    "download_qwen3_distill_checkpoints",
     "tiny_config",
     "RMSNorm",
     "compute_rope_params",
@@ -139,6 +163,53 @@ class Qwen3Config:
             raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
         return cls.from_hf_dict(d, source=str(path))
 
+    @classmethod
+    def from_book_dict(cls, d: Mapping) -> Qwen3Config:
+        """Build a config from the book's dict (``emb_dim``, ``n_layers``, ``n_kv_groups``, ...)."""
+        missing = [k for k in _BOOK_KEYS if k not in d and k != "head_dim"]
+        if missing:
+            raise ValueError(f"book config dict: missing key(s) {missing}")
+        if not d.get("qk_norm", True):
+            raise ValueError("book config dict: qk_norm=False is not Qwen3 (this model always "
+                             "normalises queries and keys)")
+        dtype = d["dtype"]
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["emb_dim"],
+            intermediate_size=d["hidden_dim"],
+            num_hidden_layers=d["n_layers"],
+            num_attention_heads=d["n_heads"],
+            num_key_value_heads=d["n_kv_groups"],
+            head_dim=d.get("head_dim") or d["emb_dim"] // d["n_heads"],
+            rope_theta=float(d["rope_base"]),
+            max_position_embeddings=d["context_length"],
+            # The book's model has its own output layer (its checkpoints store out_head).
+            tie_word_embeddings=False,
+            torch_dtype=str(dtype).removeprefix("torch.") if dtype is not None else "float32",
+        )
+
+    def to_book_dict(self) -> dict:
+        """The book's config dict for this model."""
+        return {
+            "vocab_size": self.vocab_size,
+            "context_length": self.max_position_embeddings,
+            "emb_dim": self.hidden_size,
+            "n_heads": self.num_attention_heads,
+            "n_layers": self.num_hidden_layers,
+            "hidden_dim": self.intermediate_size,
+            "head_dim": self.head_dim,
+            "qk_norm": True,
+            "n_kv_groups": self.num_key_value_heads,
+            "rope_base": self.rope_theta,
+            "dtype": getattr(torch, self.torch_dtype),
+        }
+
+    def __getitem__(self, key: str):
+        """The book's dict access: ``cfg["n_layers"]``, ``cfg["emb_dim"]``, ..."""
+        if key not in _BOOK_KEYS:
+            raise KeyError(f"{key!r} is not a key of the book's config dict {list(_BOOK_KEYS)}")
+        return self.to_book_dict()[key]
+
     def to_hf_dict(self) -> dict:
         """Full HF ``config.json`` content, loadable by transformers' Qwen3ForCausalLM."""
         d = asdict(self)
@@ -161,6 +232,11 @@ class Qwen3Config:
         return dict(sorted(d.items()))
 
 
+# Keys of the book's config dict (its qwen3.QWEN_CONFIG_06_B), in the book's order.
+_BOOK_KEYS = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers", "hidden_dim",
+              "head_dim", "qk_norm", "n_kv_groups", "rope_base", "dtype")
+
+
 # The published Qwen3-0.6B hyper-parameters (huggingface.co/Qwen/Qwen3-0.6B, config.json).
 QWEN3_0_6B_CONFIG = Qwen3Config(
     vocab_size=151936,
@@ -178,6 +254,10 @@ QWEN3_0_6B_CONFIG = Qwen3Config(
     bos_token_id=151643,
     eos_token_id=151645,
 )
+
+
+# The same model as the book's config dict (the book's name); Qwen3Model takes either form.
+QWEN_CONFIG_06_B = QWEN3_0_6B_CONFIG.to_book_dict()
 
 
 def tiny_config(vocab_size: int = 256, **overrides) -> Qwen3Config:
@@ -224,7 +304,7 @@ class RMSNorm(nn.Module):
 
 
 def compute_rope_params(
-    head_dim: int, theta_base: float, context_length: int, device=None
+    head_dim: int, theta_base: float = 10_000.0, context_length: int = 4096, device=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (context_length, head_dim) for RoPE, float32, split-halves layout."""
     # Frequencies theta_i = base^(-2i/d), i = 0..d/2-1 (RoFormer, eq. 15).
@@ -237,10 +317,17 @@ def compute_rope_params(
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, D) by per-token angles; cos/sin are (B, T, D) or (T, D)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               offset: int = 0) -> torch.Tensor:
+    """Rotate x (B, H, T, D) by per-token angles; cos/sin are (B, T, D) or a (L, D) table.
+
+    A (L, D) table gives token t the angles of position offset + t (the book's form).
+    """
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads: (B, 1, T, D)
+    else:
+        T = x.shape[-2]
+        cos, sin = cos[offset : offset + T], sin[offset : offset + T]  # (T, D)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -345,7 +432,12 @@ class KVCache:
     of the buffers when preallocated).
     """
 
-    def __init__(self, num_layers: int, max_len: int | None = None):
+    def __init__(self, num_layers: int | None = None, max_len: int | None = None, *,
+                 n_layers: int | None = None):
+        if num_layers is None:
+            num_layers = n_layers  # the book's keyword
+        if num_layers is None:
+            raise TypeError("KVCache needs num_layers (or the book's n_layers)")
         if max_len is not None and max_len < 0:
             raise ValueError(f"KVCache: max_len must be None or >= 0, got {max_len}")
         self.num_layers = num_layers
@@ -376,8 +468,15 @@ class KVCache:
         """Rows held, or None while empty."""
         return None if self.key_mask is None else self.key_mask.shape[0]
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-        """Append new keys/values (B, H_kv, T, D) of one layer; return the full ones."""
+    def update(self, layer_idx: int, k, v: torch.Tensor | None = None):
+        """Append new keys/values (B, H_kv, T, D) of one layer; return the full ones.
+
+        The book's form ``update(layer_idx, (keys, values))`` (one argument) instead sets the
+        layer's full keys/values, as its own attention code does; it returns nothing.
+        """
+        if v is None:
+            self.keys[layer_idx], self.values[layer_idx] = k
+            return None
         if self.max_len is None:
             return self._concatenate(layer_idx, k, v)
         return self._write_in_place(layer_idx, k, v)
@@ -423,6 +522,27 @@ class KVCache:
         self._value_buffers[i], self.values[i] = _buffer_holding(filled_v, self.max_len)
         if filled_k is empty_k:  # nothing was held: keep the "empty" marker
             self.keys[i] = self.values[i] = None
+
+    # ----- the book's protocol: get / update(layer_idx, (k, v)) / get_all / reset -----------
+    @property
+    def n_layers(self) -> int:
+        return self.num_layers
+
+    def get(self, layer_idx: int):
+        """(keys, values) held for one layer, or None (the book's protocol)."""
+        if self.keys[layer_idx] is None:
+            return None
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_all(self) -> list:
+        """``get(i)`` for every layer."""
+        return [self.get(i) for i in range(self.num_layers)]
+
+    def reset(self) -> None:
+        """Forget everything held (the book's protocol); preallocated buffers are kept."""
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        self.key_mask = self.next_pos = None
 
     def reserve(self, n: int) -> None:
         """Preallocated cache: make room for `n` slots now, so no later step re-allocates.
@@ -516,10 +636,16 @@ class Qwen3Decoder(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    """Qwen3 causal language model; ``state_dict()`` keys equal HF ``Qwen3ForCausalLM``."""
+    """Qwen3 causal language model; ``state_dict()`` keys equal HF ``Qwen3ForCausalLM``.
 
-    def __init__(self, cfg: Qwen3Config):
+    ``cfg``: a ``Qwen3Config`` or the book's config dict (then the weights take its ``dtype``).
+    """
+
+    def __init__(self, cfg: Qwen3Config | Mapping):
         super().__init__()
+        book_dict = isinstance(cfg, Mapping)
+        if book_dict:
+            cfg = Qwen3Config.from_book_dict(cfg)
         self.cfg = cfg
         self.model = Qwen3Decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -530,6 +656,18 @@ class Qwen3Model(nn.Module):
         # Built lazily on first use, on the model's device.
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
+        if book_dict:
+            self.to(getattr(torch, cfg.torch_dtype))
+
+    def reset_kv_cache(self) -> None:
+        """The book's call before a new generation; a no-op here, where the KVCache (not the
+        model) knows each row's position, so a fresh cache is all a new generation needs."""
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` that also accepts the book's ``.pth`` names."""
+        if "tok_emb.weight" in state_dict:
+            state_dict = book_to_hf_state_dict(state_dict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """HF-style init: normal(0, 0.02) linears/embedding, ones for norms."""
@@ -630,3 +768,70 @@ class Qwen3Model(nn.Module):
             cache.key_mask = key_mask
             cache.next_pos = past_pos + m.sum(dim=-1)
         return self.model.norm(x)
+
+
+# --------------------------------------------------------------------------------------
+# The book's parameter names
+# --------------------------------------------------------------------------------------
+
+# The book's Qwen3Model names its modules after GPT-2 (tok_emb, trf_blocks, att.W_query, ...)
+# and its norms' weights "scale"; same tensors, same shapes. SwiGLU: fc1 = gate, fc2 = up,
+# fc3 = down (out = fc3(silu(fc1(x)) * fc2(x))).
+_BOOK_TOP = {
+    "tok_emb.weight": "model.embed_tokens.weight",
+    "final_norm.scale": "model.norm.weight",
+    "out_head.weight": "lm_head.weight",
+}
+_BOOK_BLOCK = {
+    "att.W_query.weight": "self_attn.q_proj.weight",
+    "att.W_key.weight": "self_attn.k_proj.weight",
+    "att.W_value.weight": "self_attn.v_proj.weight",
+    "att.out_proj.weight": "self_attn.o_proj.weight",
+    "att.q_norm.scale": "self_attn.q_norm.weight",
+    "att.k_norm.scale": "self_attn.k_norm.weight",
+    "ff.fc1.weight": "mlp.gate_proj.weight",
+    "ff.fc2.weight": "mlp.up_proj.weight",
+    "ff.fc3.weight": "mlp.down_proj.weight",
+    "norm1.scale": "input_layernorm.weight",
+    "norm2.scale": "post_attention_layernorm.weight",
+}
+
+
+def _rename(key: str, top: dict, block: dict, block_prefix: str, new_block_prefix: str) -> str:
+    """Rename one parameter key with a top-level table and a per-block table."""
+    if key in top:
+        return top[key]
+    if key.startswith(block_prefix):
+        layer, _, rest = key[len(block_prefix):].partition(".")
+        if layer.isdigit() and rest in block:
+            return f"{new_block_prefix}{layer}.{block[rest]}"
+    raise KeyError(f"{key!r} is not a Qwen3 parameter name")
+
+
+def book_to_hf_state_dict(state_dict: Mapping) -> dict:
+    """The book's ``.pth`` state dict (tok_emb, trf_blocks.N.att.W_query, ...) with HF names."""
+    return {_rename(k, _BOOK_TOP, _BOOK_BLOCK, "trf_blocks.", "model.layers."): v
+            for k, v in state_dict.items()}
+
+
+def hf_to_book_state_dict(state_dict: Mapping) -> dict:
+    """An HF-named state dict with the book's names; a tied lm_head becomes its own out_head."""
+    top = {v: k for k, v in _BOOK_TOP.items()}
+    block = {v: k for k, v in _BOOK_BLOCK.items()}
+    out = {_rename(k, top, block, "model.layers.", "trf_blocks."): v
+           for k, v in state_dict.items()}
+    if "out_head.weight" not in out:  # tied checkpoints omit lm_head; the book stores a copy
+        out["out_head.weight"] = out["tok_emb.weight"].clone()
+    return out
+
+
+def load_hf_weights_into_qwen(model: Qwen3Model, param_config: Mapping, params: Mapping) -> None:
+    """The book's loader: copy HF-named `params` into `model` (shapes checked, lm_head tied to
+    the embedding when `params` has none). `param_config` gives the book's ``n_layers``."""
+    if param_config["n_layers"] != model.cfg.num_hidden_layers:
+        raise ValueError(f"param_config n_layers={param_config['n_layers']} but the model has "
+                         f"{model.cfg.num_hidden_layers} layers")
+    params = dict(params)
+    if "lm_head.weight" not in params:
+        params["lm_head.weight"] = params["model.embed_tokens.weight"]
+    model.load_state_dict(params)

@@ -10,8 +10,8 @@ completions of a prompt, batched where that saves work). `steps` are the step te
   each step prefix sample k continuations with the current policy; "soft" = fraction that reach
   the correct answer, "hard" = 1 if any does. Costs generated tokens, which it counts.
 - `ForwardStepScorer` / `CallableStepScorer`: adapters for any object with
-  `forward(prompt, step_text) -> float` (the user's sketch) or any callable; `as_step_scorer`
-  picks the right one.
+  `forward(prompt, step_text) -> float` (a reward model called step by step) or any callable;
+  `as_step_scorer` picks the right one.
 
 The learned PRM's scorer (`PRMStepScorer`) lives in prm.py, next to the model, and
 `process_supervision.build_step_scorer("verifier" | "verifier-signed" | "mc" | "prm:PATH", ...)`
@@ -245,7 +245,7 @@ class MonteCarloStepScorer(StepScorer):
 
 
 class ForwardStepScorer(StepScorer):
-    """Adapter for an object with `forward(prompt, step_text) -> float` (the user's sketch).
+    """Adapter for an object with `forward(prompt, step_text) -> float` (a step reward model).
 
     Such a scorer sees one step at a time, without the steps before it, so it cannot judge a
     step that is only wrong in context (e.g. a correct sum of a wrongly carried number).

@@ -166,11 +166,28 @@ class Qwen3Tokenizer:
 
     def __init__(
         self,
-        tokenizer_json_path: str | Path,
+        tokenizer_json_path: str | Path | None = None,
         tokenizer_config_path: str | Path | None = None,
         generation_config_path: str | Path | None = None,
         config_path: str | Path | None = None,
+        *,
+        tokenizer_file_path: str | Path | None = None,
+        apply_chat_template: bool = False,
+        add_generation_prompt: bool = False,
+        add_thinking: bool = False,
     ):
+        """`tokenizer_file_path` and the three flags are the book's form: `encode` then wraps
+        text in the chat template (one user message; `add_thinking=False` adds the empty think
+        block), and without config files the EOS follows the book's two files (a name with
+        'base' -> <|endoftext|>, else <|im_end|>)."""
+        book_form = tokenizer_file_path is not None
+        if tokenizer_json_path is None:
+            tokenizer_json_path = tokenizer_file_path
+        if tokenizer_json_path is None:
+            raise TypeError("Qwen3Tokenizer needs the path of a tokenizer.json")
+        self.chat_wrap = apply_chat_template  # the book's flag (its name is a method here)
+        self.add_generation_prompt = add_generation_prompt
+        self.add_thinking = add_thinking
         self.path = Path(tokenizer_json_path)
         if not self.path.is_file():
             raise FileNotFoundError(
@@ -190,6 +207,10 @@ class Qwen3Tokenizer:
         self.tokenizer_config = tok_cfg
 
         self.eos_token_ids, self.eos_source = self._find_eos(tok_cfg, gen_cfg, model_cfg)
+        if book_form and not self.eos_token_ids:
+            name = self.path.name.lower()
+            book_eos = ENDOFTEXT if "base" in name and "reasoning" not in name else IM_END
+            self.eos_token_ids, self.eos_source = [self.token_to_id(book_eos)], "book file name"
         self.bos_token_id = self._first_id(
             gen_cfg.get("bos_token_id"), model_cfg.get("bos_token_id")
         )
@@ -306,8 +327,15 @@ class Qwen3Tokenizer:
         return self.token_to_id(ENDOFTEXT)
 
     # ----- encode / decode -----------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token strings in it (e.g. '<think>') map to their ids."""
+    def encode(self, text: str, chat_wrapped: bool | None = None) -> list[int]:
+        """Token ids of `text`; special-token strings in it (e.g. '<think>') map to their ids.
+
+        `chat_wrapped` (default: the book's `apply_chat_template` flag) first renders `text` as
+        one user message of the chat template.
+        """
+        if self.chat_wrap if chat_wrapped is None else chat_wrapped:
+            text = render_chat([{"role": "user", "content": text}], self.add_generation_prompt,
+                               enable_thinking=self.add_thinking)
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -331,10 +359,13 @@ class Qwen3Tokenizer:
                     j -= 1
         return enc.ids, offsets
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of token ids; accepts a list or a 1-D tensor."""
+    def decode(self, ids: Iterable[int] | int, skip_special_tokens: bool = False) -> str:
+        """Text of token ids; accepts a list, a tensor or one id (the book decodes
+        ``token.tolist()`` of a one-element tensor, an int)."""
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
+        if isinstance(ids, int):
+            ids = [ids]
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(

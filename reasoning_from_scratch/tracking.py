@@ -57,6 +57,15 @@ def report_targets(report_to) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in names if n != "none"))
 
 
+def report_problem(report_to) -> str | None:
+    """The config rule of `report_to` (validation.py's form): what is wrong with it, or None."""
+    try:
+        report_targets(report_to)
+    except ValueError as err:
+        return str(err).removeprefix("report_to: ")
+    return None
+
+
 def missing_backend(name: str) -> str | None:
     """The one-line error for a backend whose package is not installed, else None (the check
     imports nothing, so a command line can refuse early at no cost)."""

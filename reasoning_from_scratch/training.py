@@ -7,7 +7,7 @@ lives in `config.output_dir`: metrics.csv (one row per step), samples.jsonl, che
 (`checkpoint-<step>/`, see checkpoints.py), final/, summary.json (incl. the base model's
 evaluation) and metrics.png (redrawn at every evaluation). With `report_to` the same rows,
 evaluations and samples also go to TensorBoard and/or W&B as they are written (tracking.py).
-The command-line front end is training_cli.py.
+The command-line front end is cli/train.py.
 
 Interrupts lose nothing: the update, its metrics row and a checkpoint write are critical
 sections (interrupts.py), and Ctrl-C at any other moment saves `checkpoint-<k>` holding exactly
@@ -81,18 +81,20 @@ from .grpo import (
 )
 from .interrupts import defer_interrupts, record_interrupts
 from .plotting import plot_grpo_metrics
+from .process import VARIANTS
 from .process_supervision import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
 from .run_log import MetricsLog, append_samples, eval_cells, truncate_samples
 from .tokenizer import pad_id_of
-from .tracking import RunTracker, open_tracker, report_targets
+from .tracking import RunTracker, open_tracker, report_problem, report_targets
 from .validation import (
     at_least,
-    check,
+    check_fields,
     finite,
     in_range,
     non_negative,
+    option,
     optional,
     positive,
     probability,
@@ -117,7 +119,7 @@ PLOT_COLUMNS = ["reward_mean", "correct_mean", "format_mean", "eval_accuracy",
 
 # The chapter 7 default mix of difficulty levels 1-5 in the arithmetic training problems: more of
 # the levels where the base model still errs, where a group's rollouts disagree and RL has a
-# signal (the held-out splits stay uniform). See the README's recipe search.
+# signal (the held-out splits stay uniform). See docs/grpo.md's recipe search.
 DEFAULT_TRAIN_LEVEL_WEIGHTS = (1.0, 1.0, 2.0, 2.0, 2.0)
 
 
@@ -132,30 +134,18 @@ CHAPTER6_RECIPE = dict(loss_type="sequence", epsilon=None, epsilon_high=None, be
 # loss or gradient was NaN/inf: the updates were skipped, and more of the same will not help.
 MAX_BAD_STEPS = 3
 
-# The valid range of each numeric GRPOConfig field (validation.py); the CLI flags use the same.
-CONFIG_RULES = {
-    "steps": at_least(1), "lr": positive, "warmup_steps": non_negative,
-    "weight_decay": non_negative, "max_grad_norm": positive,
-    "prompts_per_step": at_least(1), "num_rollouts": at_least(2), "max_new_tokens": at_least(1),
-    "temperature": positive, "top_p": probability, "format_reward_weight": non_negative,
-    "mc_rollouts": at_least(1),
-    "epsilon": optional(in_range(0, 1, low_open=True)), "epsilon_high": optional(positive),
-    "beta": non_negative, "tis_cap": optional(positive),
-    "off_policy_mask_threshold": optional(non_negative), "max_sampling_rounds": at_least(1),
-    "entropy_coef": finite, "inner_epochs": at_least(1),
-    "micro_batch_size": optional(at_least(1)), "chunk_size": at_least(1),
-    "eval_every": non_negative, "eval_examples": at_least(1),
-    "eval_max_new_tokens": optional(at_least(1)), "eval_batch_size": at_least(1),
-    "sample_every": non_negative, "checkpoint_every": non_negative, "seed": non_negative,
-}
+SUPERVISIONS = ("outcome", "process")
+STEP_SPLITS = ("tags", "newlines", "blank_lines")
 
 
 @dataclass
 class GRPOConfig:
     """Every knob of a GRPO run; defaults are the chapter 7 recipe for the bundled tiny model.
+    Each field carries its help, valid range and choices (`validation.option`): the command line
+    (cli/train.py) and the checks are built from them.
 
     Searched on the arithmetic val split (200 problems, greedy strict accuracy 0.255 before
-    training; the table is in the README): 16 prompts x 8 rollouts per step beat 8 x 16 and 8 x 8,
+    training; the table is in docs/grpo.md): 16 prompts x 8 rollouts per step beat 8 x 16 and 8 x 8,
     lr 1e-4 matched 2e-4 with less drift, and training problems weighted towards levels 3-5
     (DEFAULT_TRAIN_LEVEL_WEIGHTS) raised accuracy among think answers and step correctness where
     uniform levels left them flat. 112 new tokens fit the longest (level 5) solutions. For
@@ -164,72 +154,125 @@ class GRPOConfig:
     """
 
     # optimisation (AdamW, linear warmup then constant learning rate, grad-norm clipping)
-    steps: int = 150
-    lr: float = 1e-4
-    warmup_steps: int = 5
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    steps: int = option(150,
+        "optimizer steps (each: rollouts for prompts-per-step prompts, then the update(s))",
+        rule=at_least(1))
+    lr: float = option(1e-4, "peak AdamW learning rate", rule=positive)
+    warmup_steps: int = option(5,
+        "steps of linear learning-rate warmup from lr/warmup to lr",
+        rule=non_negative)
+    weight_decay: float = option(0.0, "AdamW weight decay", rule=non_negative)
+    max_grad_norm: float = option(1.0, "clip the gradient norm to this value", rule=positive)
     # rollouts
-    prompts_per_step: int = 16
-    num_rollouts: int = 8  # G: completions per prompt, one group
-    max_new_tokens: int = 112
-    temperature: float = 1.0
-    top_p: float = 1.0
+    prompts_per_step: int = option(16, "training prompts per optimizer step", rule=at_least(1))
+    num_rollouts: int = option(8, "G: sampled completions per prompt (one group)", rule=at_least(2))
+    max_new_tokens: int = option(112, "maximum generated tokens per rollout", rule=at_least(1))
+    temperature: float = option(1.0, "rollout sampling temperature", rule=positive)
+    top_p: float = option(1.0, "rollout nucleus-sampling threshold", rule=probability)
     # rewards: correctness + format_reward_weight x think format (only if correct when
     # format_reward_conditional)
-    format_reward_weight: float = 0.5
-    format_reward_conditional: bool = True
+    format_reward_weight: float = option(0.5,
+        "weight of the <think>...</think> format reward (0: correctness only)",
+        rule=non_negative)
+    format_reward_conditional: bool = option(True, "pay the format reward only for correct answers")
     # advantages
-    scale_rewards: str = "group"  # "group" | "batch" | "none" (Dr. GRPO)
-    skip_zero_advantage: bool = True  # drop groups whose rewards are all equal
-    reward_normalization: str = "sum"  # "sum" (GRPO) | "per_reward" (GDPO: each term by itself)
-    dynamic_sampling: bool = False  # DAPO: sample more prompts until the batch is full of signal
-    max_sampling_rounds: int = 3  # dynamic sampling: batches of prompts sampled at most per step
-    supervision: str = "outcome"  # "outcome" | "process" (DeepSeekMath 4.1.3, see process.py)
-    step_scorer: str = "verifier"  # process: verifier | verifier-signed | mc | mc-hard | prm:PATH
-    process_variant: str = "sum"  # process: sum | process+outcome | min (PURE) | position
-    step_split: str = "tags"  # process: how completions split into steps
-    mc_rollouts: int = 4  # process, step_scorer mc: continuations sampled per step prefix
+    scale_rewards: str = option("group",
+        "advantage scaling: group std (GRPO), batch std, or none (Dr. GRPO)",
+        choices=SCALE_REWARDS)
+    skip_zero_advantage: bool = option(True,
+        "drop groups whose rewards are all equal (no learning signal)")
+    reward_normalization: str = option("sum",
+        "sum: normalise the weighted sum of the reward terms in each group (GRPO); per_reward: "
+        "normalise each term in its group, then sum (GDPO)",
+        choices=REWARD_NORMALIZATIONS)
+    dynamic_sampling: bool = option(False,
+        "DAPO dynamic sampling: draw more prompts until prompts-per-step groups have unequal "
+        "rewards (at most max-sampling-rounds batches of prompts)")
+    max_sampling_rounds: int = option(3,
+        "dynamic sampling: most batches of prompts sampled in one step",
+        rule=at_least(1))
+    supervision: str = option("outcome",
+        "outcome (one reward per completion) or process (a reward per reasoning step, "
+        "DeepSeekMath-style token advantages)",
+        choices=SUPERVISIONS)
+    step_scorer: str = option("verifier",
+        "process supervision step scorer: verifier | verifier-signed | mc | mc-hard | prm:PATH")
+    process_variant: str = option("sum",
+        "process advantage: sum (DeepSeekMath) | process+outcome | min (PURE) | position",
+        choices=VARIANTS)
+    step_split: str = option("tags",
+        "how completions are split into steps: tags | newlines | blank_lines",
+        choices=STEP_SPLITS)
+    mc_rollouts: int = option(4,
+        "Monte-Carlo continuations per step prefix (step-scorer mc)",
+        rule=at_least(1))
     # loss
-    loss_type: str = "grpo"  # "grpo" | "dapo" | "dr_grpo" | "sequence"
-    epsilon: float | None = 0.2  # None: no clipping (chapter 6)
-    epsilon_high: float | None = None  # DAPO clip-higher; None = epsilon
-    beta: float = 0.0  # KL weight; 0 keeps no reference model in memory
-    kl_estimator: str = "k3"  # "k3" per token | "sequence" (the book's, which fails)
-    tis_cap: float | None = None  # truncated importance sampling cap C (None: off)
-    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2 sequence masking delta
-    entropy_coef: float = 0.0
-    mask_truncated: bool = False  # DAPO overlong filtering
-    inner_epochs: int = 1  # PPO-style updates per batch of rollouts
-    micro_batch_size: int | None = None  # rollouts per forward/backward (None = all at once)
-    chunk_size: int = 1024  # answer positions per lm_head chunk
+    loss_type: str = option("grpo",
+        "grpo: per-sequence token mean; dapo: batch token mean; dr_grpo: sum/(B*max tokens); "
+        "sequence: the book's summed log-prob ratio; gspo: clipped length-normalised sequence "
+        "ratio (GSPO); cispo: clipped, stop-gradient importance weight times log-prob "
+        "(MiniMax-M1)",
+        choices=LOSS_TYPES)
+    epsilon: float | None = option(0.2,
+        "PPO clip range: ratio clipped to [1-epsilon, 1+epsilon_high] ('none': no clip)",
+        rule=optional(in_range(0, 1, low_open=True)))
+    epsilon_high: float | None = option(None,
+        "upper clip range (DAPO clip-higher; 'none': same as epsilon)",
+        rule=optional(positive))
+    beta: float = option(0.0,
+        "weight of the k3 KL penalty to the frozen starting model (0: no reference model)",
+        rule=non_negative)
+    kl_estimator: str = option("k3",
+        "k3: per-token k3 estimate (always >= 0); sequence: the book's summed logp - ref_logp per"
+        " answer (zero gradient on average; shown to fail)",
+        choices=KL_ESTIMATORS)
+    tis_cap: float | None = option(None,
+        "truncated importance sampling: weight each token by min(pi_old / pi_sampler, C) with the"
+        " sampler's own log-probs ('none': off)",
+        rule=optional(positive))
+    off_policy_mask_threshold: float | None = option(None,
+        "DeepSeek-V3.2 off-policy sequence masking: drop negative-advantage answers whose mean "
+        "per-token KL to the sampler exceeds this ('none': off)",
+        rule=optional(non_negative))
+    entropy_coef: float = option(0.0, "entropy bonus coefficient", rule=finite)
+    mask_truncated: bool = option(False,
+        "leave completions cut off at max-new-tokens out of the loss (DAPO)")
+    inner_epochs: int = option(1,
+        "updates per batch of rollouts (PPO-style; >1 makes the ratio leave 1)",
+        rule=at_least(1))
+    micro_batch_size: int | None = option(None,
+        "rollouts per forward/backward pass ('none': the whole batch)",
+        rule=optional(at_least(1)))
+    chunk_size: int = option(1024,
+        "answer positions per lm_head chunk in the log-prob pass (memory bound)",
+        rule=at_least(1))
     # evaluation, logging, checkpoints
-    eval_every: int = 25  # 0: only before and after training
-    eval_examples: int = 200  # held-out examples used (the first N of eval_examples)
-    eval_max_new_tokens: int | None = None  # None = max_new_tokens
-    eval_batch_size: int = 50
-    sample_every: int = 10  # write the step's completions to samples.jsonl every N steps
-    checkpoint_every: int = 0  # 0: only the final checkpoint (and on Ctrl-C)
-    report_to: tuple[str, ...] = ()  # live logging: "tensorboard", "wandb" (tracking.py)
-    seed: int = 123
-    output_dir: str = "runs/grpo"
-    progress: bool = True
+    eval_every: int = option(25,
+        "evaluate on the held-out set every N steps (0: only before and after)",
+        rule=non_negative)
+    eval_examples: int = option(200, "number of held-out examples for evaluation", rule=at_least(1))
+    eval_max_new_tokens: int | None = option(None,
+        "max generated tokens in evaluation ('none': max-new-tokens)",
+        rule=optional(at_least(1)))
+    eval_batch_size: int = option(50, "prompts per batch in evaluation", rule=at_least(1))
+    sample_every: int = option(10,
+        "append the step's completions to samples.jsonl every N steps (0: never)",
+        rule=non_negative)
+    checkpoint_every: int = option(0,
+        "save a resumable checkpoint every N steps (0: only the final one)",
+        rule=non_negative)
+    report_to: tuple[str, ...] = option((),
+        "watch the run live: log metrics, evaluations, reward histograms and sampled completions "
+        "to tensorboard (<run>/tensorboard) and/or wandb (<run>/wandb, offline without an "
+        "account); several comma-separated (tensorboard,wandb); none: off",
+        rule=report_problem)
+    seed: int = option(123, "random seed (prompt order, rollout sampling)", rule=non_negative)
+    output_dir: str = option("runs/grpo",
+        "run directory for metrics, samples, checkpoints, summary and plot")
+    progress: bool = option(True, "show the progress bar and per-step lines")
 
     def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, "
-                             f"got {self.scale_rewards!r}")
-        for name, allowed in (("kl_estimator", KL_ESTIMATORS),
-                              ("reward_normalization", REWARD_NORMALIZATIONS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.supervision not in ("outcome", "process"):
-            raise ValueError(f"supervision must be 'outcome' or 'process', "
-                             f"got {self.supervision!r}")
-        for name, rule in CONFIG_RULES.items():
-            check(name, getattr(self, name), rule)
+        check_fields(self)
         self.report_to = report_targets(self.report_to)  # "none", names or a list -> a tuple
 
     @property
@@ -242,6 +285,10 @@ class GRPOConfig:
         """Config from a dict, ignoring unknown keys (e.g. a trainer_state.json of a newer run)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# The valid range of each numeric GRPOConfig field, from its metadata (kept for importers)
+CONFIG_RULES = {f.name: f.metadata["rule"] for f in fields(GRPOConfig) if f.metadata["rule"]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,11 +397,15 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None):
             float(mb.completion_mask.sum()) / max(1.0, tokens)
         sl = slice(start, start + mbs)
         out = grpo_loss_on_batch(
-            model, mb, None if old_logp is None else old_logp[sl],
-            None if ref_logp is None else ref_logp[sl], config.loss_type, config.epsilon,
-            config.epsilon_high, config.beta, config.entropy_coef, config.max_new_tokens,
-            config.chunk_size, config.temperature, mb.sampler_logp, config.tis_cap,
-            config.off_policy_mask_threshold, config.kl_estimator,
+            model, mb,
+            old_logp=None if old_logp is None else old_logp[sl],
+            ref_logp=None if ref_logp is None else ref_logp[sl],
+            loss_type=config.loss_type, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
+            beta=config.beta, entropy_coef=config.entropy_coef,
+            max_completion_length=config.max_new_tokens, chunk_size=config.chunk_size,
+            temperature=config.temperature, sampler_logp=mb.sampler_logp,
+            tis_cap=config.tis_cap, off_policy_mask_threshold=config.off_policy_mask_threshold,
+            kl_estimator=config.kl_estimator,
         )
         loss = out.pop("loss")
         if not torch.isfinite(loss):
@@ -538,11 +589,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
         run_on_main(_prepare_new_run_dir, out, overwrite)
     hook = phase_hook or (lambda phase, step: None)
     if config.supervision == "process" and advantage_fn is None:
-        advantage_fn = make_process_advantage_fn(
-            tokenizer, config.step_scorer, config.process_variant, config.step_split,
-            model=model, device=device, mc_rollouts=config.mc_rollouts,
-            mc_max_new_tokens=config.max_new_tokens, mc_temperature=config.temperature,
-        )
+        advantage_fn = _process_advantage_fn(model, tokenizer, device, config)
     t_start = time.time()
     if reward_fn is None:
         reward_fn = build_reward(tokenizer, config.format_reward_weight,
@@ -587,26 +634,20 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                 _stop_if_interrupted(interrupted)
                 _evaluate_step(run, evaluate_now, hook)
             while run.completed < config.steps:
-                _stop_if_interrupted(interrupted)
                 step = run.completed
+                # Stages 1-3: rollouts, rewards, advantages (grpo.collect_rollouts)
+                _stop_if_interrupted(interrupted)
                 hook("rollouts", step + 1)
                 batch, cost = _rollouts(model, tokenizer, train_examples, device, config,
                                         reward_fn, advantage_fn, prompt_fn, step)
                 _stop_if_interrupted(interrupted)
                 with defer_interrupts():  # the update, its row and its samples: all or nothing
+                    # Stages 4-5: log-probs and the update (grpo.grpo_loss_on_batch)
                     row = _apply_update(model, optimizer, batch, config, ref_model,
                                         reward_names, step, cost, hook)
-                    run.log_step(row, batch.samples)
-                    run.completed = step + 1
-                    run.eval_pending = bool(config.eval_every and run.completed
-                                            % config.eval_every == 0
-                                            and run.completed < config.steps)
-                    run.bad_steps = run.bad_steps + 1 if row["skipped"] else 0
-                bar.update(1)
-                bar.set_postfix(reward=f"{row['reward_mean']:.2f}",
-                                correct=f"{row.get('correct_mean', 0):.2f}",
-                                acc=f"{run.last_eval['accuracy']:.2f}")
-                _print(config, _row_line(row))
+                    # Stage 6: log
+                    _log_step(run, row, batch.samples)
+                _show_step(bar, run, row)
                 if run.bad_steps >= MAX_BAD_STEPS:
                     _stop_after_bad_steps(run)
                 if run.eval_pending:
@@ -617,34 +658,75 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                         hook("checkpoint", run.completed)
                         run.checkpoint()
             bar.close()
-            _stop_if_interrupted(interrupted)
-            hook("final_eval", run.completed)
-            final = evaluate_now()
-            _stop_if_interrupted(interrupted)
-            if world > 1:  # the replicas must have made identical updates
-                check_same_on_all_ranks(params_checksum(model.parameters()), "model weights")
-            with defer_interrupts():
-                hook("final_save", run.completed)
-                run.last_eval = final
-                run.log_eval(final)
-                run.checkpoint("final")
-                summary = _summary(run, final, len(eval_set), time.time() - t_start)
-                run_on_main(_write_summary, out, summary)
-                run.tracker.close()
+            final, summary = _finish(run, evaluate_now, interrupted, hook, len(eval_set),
+                                     t_start)
         except KeyboardInterrupt:
             bar.close()
-            with defer_interrupts():
-                path = run.checkpoint()
-            run.tracker.close()  # after the checkpoint: closing may take a moment
-            if run.main:  # printed even without progress output
-                tqdm.write(f"interrupted: {path} holds {run.completed} update(s); continue "
-                           f"with --resume {out}")
-            barrier()  # no process exits (and makes torchrun stop the others) before the save
+            _save_interrupted(run)
             raise
     barrier()  # every file is written when any process returns
     _print(config, f"held-out before: {_eval_line(run.base)}\nheld-out after:  "
                    f"{_eval_line(final)}\nwrote {out}")
     return summary
+
+
+def _finish(run, evaluate_now, interrupted, hook, eval_examples, t_start):
+    """The final evaluation, checkpoint and summary.json once every step is done; returns
+    (final figures, summary)."""
+    _stop_if_interrupted(interrupted)
+    hook("final_eval", run.completed)
+    final = evaluate_now()
+    _stop_if_interrupted(interrupted)
+    if world_size() > 1:  # the replicas must have made identical updates
+        check_same_on_all_ranks(params_checksum(run.model.parameters()), "model weights")
+    with defer_interrupts():
+        hook("final_save", run.completed)
+        run.last_eval = final
+        run.log_eval(final)
+        run.checkpoint("final")
+        summary = _summary(run, final, eval_examples, time.time() - t_start)
+        run_on_main(_write_summary, run.out, summary)
+        run.tracker.close()
+    return final, summary
+
+
+def _save_interrupted(run):
+    """Ctrl-C: checkpoint the completed updates and say how to continue (every process)."""
+    with defer_interrupts():
+        path = run.checkpoint()
+    run.tracker.close()  # after the checkpoint: closing may take a moment
+    if run.main:  # printed even without progress output
+        tqdm.write(f"interrupted: {path} holds {run.completed} update(s); continue "
+                   f"with --resume {run.out}")
+    barrier()  # no process exits (and makes torchrun stop the others) before the save
+
+
+def _process_advantage_fn(model, tokenizer, device, config):
+    """Process supervision's token advantages from the config's step scorer (DeepSeekMath
+    section 4.1.3); "mc" continues with the policy being trained."""
+    return make_process_advantage_fn(
+        tokenizer, config.step_scorer, config.process_variant, config.step_split,
+        model=model, device=device, mc_rollouts=config.mc_rollouts,
+        mc_max_new_tokens=config.max_new_tokens, mc_temperature=config.temperature,
+    )
+
+
+def _log_step(run, row, samples):
+    """Write the step's metrics row and samples and advance the run's counters."""
+    config = run.config
+    run.log_step(row, samples)
+    run.completed = row["step"]
+    run.eval_pending = bool(config.eval_every and run.completed % config.eval_every == 0
+                            and run.completed < config.steps)
+    run.bad_steps = run.bad_steps + 1 if row["skipped"] else 0
+
+
+def _show_step(bar, run, row):
+    """Progress bar and the printed line of a finished step (rank 0 with progress on)."""
+    bar.update(1)
+    bar.set_postfix(reward=f"{row['reward_mean']:.2f}", correct=f"{row.get('correct_mean', 0):.2f}",
+                    acc=f"{run.last_eval['accuracy']:.2f}")
+    _print(run.config, _row_line(row))
 
 
 def _prepare_new_run_dir(out, overwrite):
@@ -739,11 +821,14 @@ def _rollouts(model, tokenizer, examples, device, config, reward_fn, advantage_f
         prompts = step_prompts(examples, step, config) if r == 0 else \
             extra_prompts(examples, step, r, config)
         batch = collect_rollouts(
-            model, tokenizer, prompts[start:stop], device, reward_fn, G,
-            config.max_new_tokens, config.temperature, config.top_p,
-            rollout_generators(device, config.seed, step, range(r * P + start, r * P + stop)),
-            config.scale_rewards, config.skip_zero_advantage or config.dynamic_sampling,
-            config.mask_truncated, prompt_fn, advantage_fn,
+            model, tokenizer, prompts[start:stop], device, reward_fn, num_rollouts=G,
+            max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+            top_p=config.top_p,
+            generator=rollout_generators(device, config.seed, step,
+                                         range(r * P + start, r * P + stop)),
+            scale_rewards=config.scale_rewards,
+            skip_zero_advantage=config.skip_zero_advantage or config.dynamic_sampling,
+            mask_truncated=config.mask_truncated, prompt_fn=prompt_fn, advantage_fn=advantage_fn,
             record_logprobs=config.tis_cap is not None
             or config.off_policy_mask_threshold is not None,
             reward_normalization=config.reward_normalization, gather_groups=gather_groups,
@@ -814,12 +899,14 @@ def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step
     row = {"step": step + 1, "lr": lr, **rollout_metrics(batch, reward_names)}
     totals = global_totals(batch)  # a process may hold no rows while others do
     if totals[0]:
+        # Stage 4: log-probs of the frozen reference and (inner epochs) of the sampling policy
         with torch.no_grad():
             ref_logp = old_logp = None
             if ref_model is not None:
                 ref_logp = _logprobs_no_grad(ref_model, batch, config)
             if config.inner_epochs > 1:  # the sampling policy's log-probs, computed once
                 old_logp = _logprobs_no_grad(model, batch, config)
+        # Stage 5: the update(s): loss, backward, clip, AdamW step
         model.train()
         epochs = [_update(model, optimizer, batch, old_logp, ref_logp, config, totals)
                   for _ in range(config.inner_epochs)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from dataclasses import field, fields
 
 Rule = Callable[[object], "str | None"]
 
@@ -129,3 +130,19 @@ def choice_list(choices):
         return names
     parse.__name__ = "list"
     return parse
+
+
+def option(default, help: str, rule: Rule | None = None, choices=None):
+    """A config field whose help, valid range (`rule`) and choices sit next to its default
+    (dataclass field metadata, as TRL's configs do); the command line is built from them."""
+    return field(default=default, metadata={"help": help, "rule": rule, "choices": choices})
+
+
+def check_fields(config) -> None:
+    """ValueError naming the first field of a dataclass `config` outside its choices or range."""
+    for f in fields(config):
+        value, choices = getattr(config, f.name), f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ValueError(f"{f.name} must be one of {tuple(choices)}, got {value!r}")
+        if f.metadata.get("rule") is not None:
+            check(f.name, value, f.metadata["rule"])

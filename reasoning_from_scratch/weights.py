@@ -5,12 +5,17 @@ A model directory holds `config.json`, `model.safetensors` (or a sharded
 and `generation_config.json`. Tensor names are the HF `Qwen3ForCausalLM` names, which are also the
 `state_dict()` keys of `Qwen3Model`, so no renaming is needed. `save_pretrained` writes the same
 layout, so transformers (and vLLM) can load what this package trains. Pickled checkpoints
-(`pytorch_model.bin`, `torch.save`) are never read or written: unpickling can run arbitrary code.
+(`pytorch_model.bin`, `torch.save`) are never read as full pickles: unpickling can run
+arbitrary code. The one exception is the book's `.pth` format (its own parameter names,
+`qwen3.book_to_hf_state_dict`): `read_book_checkpoint` reads it with
+`torch.load(weights_only=True)`, which rebuilds only tensors and plain containers and refuses
+a file that asks to run code, and `save_book_checkpoint` writes it for the book's code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import pickle
 import re
 import warnings
 from pathlib import Path
@@ -19,8 +24,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .device import default_dtype, get_device
-from .files import atomic_save_safetensors, atomic_write_json, read_json
-from .qwen3 import Qwen3Config, Qwen3Model
+from .files import atomic_path, atomic_save_safetensors, atomic_write_json, read_json
+from .qwen3 import QWEN_CONFIG_06_B, Qwen3Config, Qwen3Model, hf_to_book_state_dict
 from .tokenizer import Qwen3Tokenizer
 
 PathLike = str | Path
@@ -374,3 +379,57 @@ def save_pretrained(model: Qwen3Model, tokenizer: Qwen3Tokenizer, out_dir: PathL
     )
     tokenizer.save(out_dir)
     return out_dir
+
+
+# --------------------------------------------------------------------------------------
+# The book's .pth checkpoints
+# --------------------------------------------------------------------------------------
+
+
+def read_book_checkpoint(path: PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of a `.pth` state dict (the book's format), read without running code.
+
+    `torch.load(weights_only=True)` only rebuilds tensors and plain containers; a pickle that
+    asks for anything else (e.g. a function call) is refused with ValueError before it runs.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"checkpoint not found: {path} (the book's files come from download_qwen3_small, "
+            "download_qwen3_grpo_checkpoints or download_qwen3_distill_checkpoints)"
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        first_line = str(err).strip().splitlines()[0]
+        raise ValueError(
+            f"{path}: refused, not a plain tensor checkpoint: it asks to run code or build "
+            f"objects that a state dict never holds ({first_line}). Nothing in it was run."
+        ) from None
+    if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise ValueError(f"{path}: not a state dict (a dict of name -> tensor)")
+    return state
+
+
+def load_book_checkpoint(path: PathLike, model: Qwen3Model | None = None) -> Qwen3Model:
+    """`model` (default: a new book Qwen3-0.6B, ``QWEN_CONFIG_06_B``) with a book `.pth` loaded."""
+    state = read_book_checkpoint(path)
+    if model is None:
+        model = Qwen3Model(QWEN_CONFIG_06_B)
+    model.load_state_dict(state)  # accepts the book's names and ours
+    return model
+
+
+def save_book_checkpoint(model, path: PathLike) -> Path:
+    """Write `model.state_dict()` as a `.pth` in the book's names, atomically.
+
+    A Qwen3 state dict is renamed (`hf_to_book_state_dict`), any other saved as it is.
+    """
+    path = Path(path)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    if "model.embed_tokens.weight" in state:
+        state = hf_to_book_state_dict(state)
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+    return path

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from reasoning_from_scratch import distillation, distillation_cli
+from reasoning_from_scratch import distillation
+from reasoning_from_scratch.cli import distill as distillation_cli
 from reasoning_from_scratch.distillation import (
     filter_traces,
     generate_distillation_data,
@@ -20,12 +21,12 @@ from reasoning_from_scratch.distillation import (
     verify_trace,
     write_traces,
 )
-from reasoning_from_scratch.distillation_experiment import accuracy_at, summarise_distill_vs_rl
 from reasoning_from_scratch.distillation_training import (
     DistillConfig,
     split_traces,
     train_distillation,
 )
+from reasoning_from_scratch.experiments.distill_vs_rl import accuracy_at, summarise_distill_vs_rl
 from reasoning_from_scratch.generation import Rollouts
 from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
 from reasoning_from_scratch.run_log import read_metrics

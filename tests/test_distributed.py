@@ -76,7 +76,7 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 if os.environ.get("INTERRUPT_AT"):
     who, phase, step = os.environ["INTERRUPT_AT"].split(",")
     if os.environ["RANK"] == who:
-        from reasoning_from_scratch import training_cli
+        from reasoning_from_scratch.cli import train as training_cli
         real = training_cli.train_grpo
 
         def hooked(*args, **kwargs):

@@ -12,6 +12,12 @@ import torch
 
 import reasoning_from_scratch.inference_scaling as inference_scaling
 from reasoning_from_scratch.arithmetic import make_split
+from reasoning_from_scratch.experiments.inference_scaling import (
+    beam_shape,
+    plot_inference_scaling,
+    sampling_rows,
+    scaling_table,
+)
 from reasoning_from_scratch.inference_scaling import (
     NO_ANSWER_SCORE,
     BlindVerifierScorer,
@@ -31,12 +37,6 @@ from reasoning_from_scratch.inference_scaling import (
     self_consistency_vote,
     self_consistency_vote_batch,
     weighted_majority_vote,
-)
-from reasoning_from_scratch.inference_scaling_experiment import (
-    beam_shape,
-    plot_inference_scaling,
-    sampling_rows,
-    scaling_table,
 )
 from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.search import (

@@ -14,8 +14,9 @@ def test_moving_average_trailing_window():
     assert moving_average([1, 2, 3], window_fraction=0.1) == [1, 2, 3]
     out = moving_average([None, 2.0, float("nan"), 4.0], window_fraction=0.5)
     assert math.isnan(out[0]) and out[1:] == [2.0, 2.0, 4.0]
+    assert moving_average([1, 2], window_fraction=0) == [1, 2]  # the book's "no smoothing"
     with pytest.raises(ValueError):
-        moving_average([1, 2], window_fraction=0)
+        moving_average([1, 2], window_fraction=1.5)
 
 
 def test_plot_grpo_metrics_writes_png(tmp_path):

@@ -1,5 +1,5 @@
 """The command-line scripts: every `--help` runs; the chapter 8 experiment (summary, table and
-figure from `supervision_experiment`; the script end to end, tiny)."""
+figure from `experiments.process_vs_outcome`; the script end to end, tiny)."""
 
 import argparse
 import json
@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
-from reasoning_from_scratch.rewards import CompositeReward, RewardTerm
-from reasoning_from_scratch.supervision_experiment import (
+from reasoning_from_scratch.experiments.process_vs_outcome import (
     plot_process_vs_outcome,
     summarise,
     write_table,
 )
+from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
+from reasoning_from_scratch.rewards import CompositeReward, RewardTerm
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted([*ROOT.glob("chapters/*.py"), *ROOT.glob("benchmarks/*.py"),

@@ -134,7 +134,7 @@ def test_mc_real_model_batched_and_costed(tokenizer):
 
 
 def test_adapters_and_as_step_scorer():
-    class UserRM:  # the user's sketch: forward(prompt, step_text) -> float
+    class UserRM:  # a reward model called step by step: forward(prompt, step_text) -> float
         def forward(self, prompt, step_text):
             return float(len(step_text)) * 0.01 - (0.3 if "mistake" in step_text else 0.0)
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from reasoning_from_scratch import tracking, training_cli
+from reasoning_from_scratch import tracking
 from reasoning_from_scratch.arithmetic import make_split
+from reasoning_from_scratch.cli import train as training_cli
 from reasoning_from_scratch.distillation_training import DistillConfig, train_distillation
 from reasoning_from_scratch.plotting import plot_runs
 from reasoning_from_scratch.prm import ProcessRewardModel, train_prm

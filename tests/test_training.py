@@ -7,14 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from reasoning_from_scratch import training, training_cli
+from reasoning_from_scratch import training
 from reasoning_from_scratch.checkpoints import find_checkpoint
+from reasoning_from_scratch.cli import train as training_cli
 from reasoning_from_scratch.grpo import (
     batch_logprobs,
     collect_rollouts,
     compute_grpo_loss,
     grpo_loss_on_batch,
 )
+from reasoning_from_scratch.process_supervision import make_process_advantage_fn
 from reasoning_from_scratch.qwen3 import Qwen3Model
 from reasoning_from_scratch.run_log import read_metrics
 from reasoning_from_scratch.training import TIMING_COLUMNS, GRPOConfig, train_grpo
@@ -176,15 +178,19 @@ def test_compute_grpo_loss_process_gives_token_advantages():
     model, tokenizer = load_pretrained("tiny-arith", device="cpu")
     example = {"problem": "Compute (12+7)*3", "answer": "57"}
     g = torch.Generator().manual_seed(0)
+    advantage_fn = make_process_advantage_fn(tokenizer, "verifier", model=model, device="cpu")
     out = compute_grpo_loss(model, tokenizer, example, "cpu", num_rollouts=8, max_new_tokens=40,
                             temperature=1.0, top_p=1.0, generator=g, supervision="process",
-                            step_scorer="verifier")
+                            advantage_fn=advantage_fn)
     adv = torch.tensor(out["advantages"])
     assert adv.dim() == 2 or adv.numel() == 0  # (B, Tc) token advantages, or a skipped group
     assert torch.isfinite(out["loss_tensor"]).all()
     with pytest.raises(ValueError, match="supervision"):
         compute_grpo_loss(model, tokenizer, example, "cpu", num_rollouts=2, max_new_tokens=4,
                           supervision="steps")
+    with pytest.raises(ValueError, match="advantage_fn"):  # the loss layer builds no scorer
+        compute_grpo_loss(model, tokenizer, example, "cpu", num_rollouts=2, max_new_tokens=4,
+                          supervision="process")
 
 
 def test_summary_reasoning_figures_come_from_the_verifier(tiny_dir, tmp_path, monkeypatch):

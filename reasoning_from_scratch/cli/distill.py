@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
-from .checkpoints import (
+from ..checkpoints import (
     check_new_run_dir,
     checkpoint_problem,
     find_checkpoint,
@@ -31,19 +31,21 @@ from .checkpoints import (
     run_contents,
     run_dir_of,
 )
-from .datasets import DATASET_NAMES
-from .device import check_device, get_device
-from .distillation import filter_traces, generate_distillation_data, read_traces, write_traces
-from .distillation_training import (
+from ..datasets import DATASET_NAMES
+from ..device import check_device, get_device
+from ..distillation import filter_traces, generate_distillation_data, read_traces, write_traces
+from ..distillation_training import (
     DISTILL_RULES,
     DistillConfig,
     train_distillation,
 )
-from .distributed import refuse_multiple_processes
-from .evaluation import evaluate_policy
-from .files import atomic_write_json, read_json
-from .training import GRPOConfig
-from .training_cli import (
+from ..distributed import refuse_multiple_processes
+from ..evaluation import evaluate_policy
+from ..files import atomic_write_json, read_json
+from ..training import GRPOConfig
+from ..validation import arg_type, non_negative_float, positive_int, probability_float
+from ..weights import load_pretrained
+from .train import (
     add_data_arguments,
     add_report_argument,
     add_runtime_arguments,
@@ -51,30 +53,11 @@ from .training_cli import (
     load_grpo_data,
     run_cli,
 )
-from .validation import arg_type, non_negative_float, positive_int, probability_float
-from .weights import load_pretrained
 
 TEACHER_RUN_DIR = "runs/ch07-teacher"
 TRACES_FILE = "traces.jsonl"
-DISTILL_HELP = {
-    "steps": "SFT updates of the student",
-    "batch_size": "traces per update",
-    "lr": "peak AdamW learning rate (linear warmup, cosine decay)",
-    "warmup": "updates of linear learning-rate warmup",
-    "weight_decay": "AdamW weight decay of the weight matrices",
-    "grad_clip": "clip the gradient norm to this value",
-    "min_lr_ratio": "the cosine decay ends at lr x this",
-    "val_fraction": "fraction of the traced problems held back for the validation loss",
-    "eval_every": "evaluate every N updates (0: only before and after training)",
-    "eval_examples": "held-out problems evaluated (the first N)",
-    "eval_max_new_tokens": "maximum generated tokens per evaluation answer",
-    "eval_batch_size": "problems per evaluation batch",
-    "checkpoint_every": "save a resumable checkpoint every N updates (0: the final one only, "
-                        "and one on Ctrl-C)",
-    "seed": "seed of the teacher sampling, the trace split and the batch order",
-    "output_dir": "run directory (traces, metrics, checkpoints, summary; None: "
-                  "runs/ch09-<time>)",
-}
+# Help and range of every DistillConfig field live in its metadata (distillation_training.py)
+DISTILL_HELP = {f.name: f.metadata["help"] for f in fields(DistillConfig)}
 
 
 def add_teacher_arguments(parser) -> None:
@@ -126,7 +109,7 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
         if f.name in ("progress", "output_dir"):
             continue
         if f.name == "report_to":
-            add_report_argument(p)
+            add_report_argument(p, help=DISTILL_HELP["report_to"])
             continue
         kind = float if isinstance(getattr(defaults, f.name), float) else int
         p.add_argument("--" + f.name.replace("_", "-"), type=arg_type(kind, DISTILL_RULES[f.name]),
@@ -238,25 +221,50 @@ ONE_PROCESS_ONLY = ("data-parallel SFT is not built yet: teacher sampling, the S
                     "with torchrun chapters/ch07_train.py")
 
 
-def run_distill_cli(argv, description: str) -> dict:
-    """Parse flags, get teacher and traces, distil into the student; returns the summary."""
+@dataclass
+class DistillRun:
+    """A checked chapter 9 command: what `run_distillation` needs, as plain values."""
+
+    config: DistillConfig
+    data: dict  # teacher, student, traces and data settings (saved in data.json)
+    checkpoint: str | Path | None = None  # resume from this checkpoint
+    device: str | None = None
+    threads: int = 1
+    dtype: str = "float32"
+    overwrite: bool = False
+
+
+def parse_distill_args(argv, description: str) -> DistillRun:
+    """Parse and check chapters/ch09_distill.py's flags; a bad value exits 2 before anything
+    is written."""
     refuse_multiple_processes("ch09_distill.py", ONE_PROCESS_ONLY)
     parser = build_distill_parser(description)
     args = parser.parse_args(argv)
     config, data, ckpt = _resolve(parser, args, argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return DistillRun(config, data, ckpt, args.device, args.threads, args.dtype, args.overwrite)
+
+
+def run_distill_cli(argv, description: str) -> dict:
+    """`parse_distill_args` then `run_distillation`: the whole command line in one call."""
+    return run_distillation(parse_distill_args(argv, description))
+
+
+def run_distillation(run: DistillRun) -> dict:
+    """Get teacher and traces, distil into the student; returns the summary."""
+    config, data, ckpt = run.config, run.data, run.checkpoint
+    if run.threads:
+        torch.set_num_threads(run.threads)
     t0 = time.time()
     out = Path(config.output_dir)
-    device = get_device(args.device)
-    dtype = getattr(torch, args.dtype)
+    device = get_device(run.device)
+    dtype = getattr(torch, run.dtype)
     train, held_out = load_grpo_data(data["dataset"], data["train_examples"], data["eval_split"],
                                      config.eval_examples, data["train_level_weights"])
     teacher_source = data.get("teacher_source") or data["teacher"]
     needs_teacher = not data["traces"] or data["teacher"]
     if needs_teacher and teacher_source is None:
-        teacher_source = str(chapter7_teacher(data["teacher_run_dir"], args.threads,
-                                              args.device))
+        teacher_source = str(chapter7_teacher(data["teacher_run_dir"], run.threads,
+                                              run.device))
     data["teacher_source"] = teacher_source
     teacher_accuracy = data.get("teacher_accuracy")
     teacher = tokenizer = None
@@ -277,7 +285,7 @@ def run_distill_cli(argv, description: str) -> dict:
     print(f"student {data['student']}: {len(records)} traces; run dir {out}")
     try:
         summary = train_distillation(student, student_tok, records, held_out, device, config,
-                                     resume_from=ckpt, overwrite=args.overwrite)
+                                     resume_from=ckpt, overwrite=run.overwrite)
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     # wall_seconds: this command's, teacher sampling included (train_distillation's own

@@ -14,8 +14,9 @@ For one model and a held-out set, `run_scaling_experiment`:
 4. runs self-refinement once with the largest round limit and reads every smaller limit off its
    history (the rounds before the limit are exactly what a run with that limit does).
 
-`scaling_table` writes the README table and `plot_inference_scaling` the figure (one panel per
-model, accuracy vs generated tokens per problem, greedy and pass@N as reference lines).
+`scaling_table` writes the table of docs/inference_scaling.md and `plot_inference_scaling` the
+figure (one panel per model, accuracy vs generated tokens per problem, greedy and pass@N as
+reference lines).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .arithmetic import parse_problem
-from .files import atomic_path
-from .generation import generate_batch, sample_rollouts_batch
-from .grading import grade_answer
-from .inference_scaling import (
+from ..arithmetic import parse_problem
+from ..files import atomic_path
+from ..generation import generate_batch, sample_rollouts_batch
+from ..grading import grade_answer
+from ..inference_scaling import (
     AGGREGATES,
     BlindVerifierScorer,
     ConfidenceStepScorer,
@@ -44,9 +45,9 @@ from .inference_scaling import (
     select_best,
     weighted_majority_vote,
 )
-from .prm import PRMStepScorer
-from .prompts import render_prompt
-from .search import StepScoreCritic, run_refinement, step_beam_search
+from ..prm import PRMStepScorer
+from ..prompts import render_prompt
+from ..search import StepScoreCritic, run_refinement, step_beam_search
 
 SAMPLING_METHODS = ("majority", "logprob", "verifier", "prm", "prm-vote")
 SEARCH_METHODS = ("beam-prm", "beam-verifier", "refine-verifier", "refine-prm", "refine-self")

@@ -19,15 +19,15 @@ import json
 import math
 import sys
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
-from .checkpoints import check_new_run_dir, find_checkpoint, read_trainer_state, run_dir_of
-from .datasets import DATASET_NAMES, load_dataset_by_name
-from .device import check_device, device_arg, get_device
-from .distributed import (
+from ..checkpoints import check_new_run_dir, find_checkpoint, read_trainer_state, run_dir_of
+from ..datasets import DATASET_NAMES, load_dataset_by_name
+from ..device import check_device, device_arg, get_device
+from ..distributed import (
     env_world_size,
     init_distributed,
     is_main,
@@ -35,88 +35,24 @@ from .distributed import (
     shutdown_distributed,
     world_size,
 )
-from .files import atomic_write_json
-from .grpo import KL_ESTIMATORS, LOSS_TYPES, REWARD_NORMALIZATIONS, SCALE_REWARDS
-from .process import VARIANTS
-from .tracking import REPORT_CHOICES, missing_backend, report_targets
-from .training import CONFIG_RULES, DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
-from .validation import arg_type, at_least, optional_positive_int
-from .weights import load_pretrained
+from ..files import atomic_write_json
+from ..tracking import REPORT_CHOICES, missing_backend, report_targets
+from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
+from ..validation import arg_type, at_least, optional_positive_int
+from ..weights import load_pretrained
 
-CONFIG_HELP = {
-    "steps": "optimizer steps (each: rollouts for prompts-per-step prompts, then the update(s))",
-    "lr": "peak AdamW learning rate",
-    "warmup_steps": "steps of linear learning-rate warmup from lr/warmup to lr",
-    "weight_decay": "AdamW weight decay",
-    "max_grad_norm": "clip the gradient norm to this value",
-    "prompts_per_step": "training prompts per optimizer step",
-    "num_rollouts": "G: sampled completions per prompt (one group)",
-    "max_new_tokens": "maximum generated tokens per rollout",
-    "temperature": "rollout sampling temperature",
-    "top_p": "rollout nucleus-sampling threshold",
-    "format_reward_weight": "weight of the <think>...</think> format reward (0: correctness only)",
-    "format_reward_conditional": "pay the format reward only for correct answers",
-    "scale_rewards": "advantage scaling: group std (GRPO), batch std, or none (Dr. GRPO)",
-    "skip_zero_advantage": "drop groups whose rewards are all equal (no learning signal)",
-    "reward_normalization": "sum: normalise the weighted sum of the reward terms in each group "
-                            "(GRPO); per_reward: normalise each term in its group, then sum "
-                            "(GDPO)",
-    "dynamic_sampling": "DAPO dynamic sampling: draw more prompts until prompts-per-step groups "
-                        "have unequal rewards (at most max-sampling-rounds batches of prompts)",
-    "max_sampling_rounds": "dynamic sampling: most batches of prompts sampled in one step",
-    "supervision": "outcome (one reward per completion) or process (a reward per reasoning "
-                   "step, DeepSeekMath-style token advantages)",
-    "step_scorer": "process supervision step scorer: verifier | verifier-signed | mc | mc-hard | "
-                   "prm:PATH",
-    "process_variant": "process advantage: sum (DeepSeekMath) | process+outcome | min (PURE) | "
-                       "position",
-    "step_split": "how completions are split into steps: tags | newlines | blank_lines",
-    "mc_rollouts": "Monte-Carlo continuations per step prefix (step-scorer mc)",
-    "loss_type": "grpo: per-sequence token mean; dapo: batch token mean; dr_grpo: sum/(B*max "
-                 "tokens); sequence: the book's summed log-prob ratio; gspo: clipped "
-                 "length-normalised sequence ratio (GSPO); cispo: clipped, stop-gradient "
-                 "importance weight times log-prob (MiniMax-M1)",
-    "epsilon": "PPO clip range: ratio clipped to [1-epsilon, 1+epsilon_high] ('none': no clip)",
-    "epsilon_high": "upper clip range (DAPO clip-higher; 'none': same as epsilon)",
-    "beta": "weight of the k3 KL penalty to the frozen starting model (0: no reference model)",
-    "kl_estimator": "k3: per-token k3 estimate (always >= 0); sequence: the book's summed "
-                    "logp - ref_logp per answer (zero gradient on average; shown to fail)",
-    "tis_cap": "truncated importance sampling: weight each token by min(pi_old / pi_sampler, C) "
-               "with the sampler's own log-probs ('none': off)",
-    "off_policy_mask_threshold": "DeepSeek-V3.2 off-policy sequence masking: drop negative-"
-                                 "advantage answers whose mean per-token KL to the sampler "
-                                 "exceeds this ('none': off)",
-    "entropy_coef": "entropy bonus coefficient",
-    "mask_truncated": "leave completions cut off at max-new-tokens out of the loss (DAPO)",
-    "inner_epochs": "updates per batch of rollouts (PPO-style; >1 makes the ratio leave 1)",
-    "micro_batch_size": "rollouts per forward/backward pass ('none': the whole batch)",
-    "chunk_size": "answer positions per lm_head chunk in the log-prob pass (memory bound)",
-    "eval_every": "evaluate on the held-out set every N steps (0: only before and after)",
-    "eval_examples": "number of held-out examples for evaluation",
-    "eval_max_new_tokens": "max generated tokens in evaluation ('none': max-new-tokens)",
-    "eval_batch_size": "prompts per batch in evaluation",
-    "sample_every": "append the step's completions to samples.jsonl every N steps (0: never)",
-    "checkpoint_every": "save a resumable checkpoint every N steps (0: only the final one)",
-    "report_to": "watch the run live: log metrics, evaluations, reward histograms and sampled "
-                 "completions to tensorboard (<run>/tensorboard) and/or wandb (<run>/wandb, "
-                 "offline without an account); several allowed, none: off",
-    "seed": "random seed (prompt order, rollout sampling)",
-    "output_dir": "run directory for metrics, samples, checkpoints, summary and plot",
-    "progress": "show the progress bar and per-step lines",
-}
-
-
-CHOICES = {"loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
-           "kl_estimator": KL_ESTIMATORS, "reward_normalization": REWARD_NORMALIZATIONS,
-           "supervision": ("outcome", "process"), "process_variant": VARIANTS,
-           "step_split": ("tags", "newlines", "blank_lines")}
+# Help, range and choices of every GRPOConfig field live in its metadata (training.py)
+CONFIG_HELP = {f.name: f.metadata["help"] for f in fields(GRPOConfig)}
+CHOICES = {f.name: f.metadata["choices"] for f in fields(GRPOConfig) if f.metadata["choices"]}
 # fields whose default is None: their value type ('none' on the command line gives None)
-OPTIONAL_TYPES = {"epsilon": float, "epsilon_high": float, "micro_batch_size": int,
-                  "eval_max_new_tokens": int, "tis_cap": float, "off_policy_mask_threshold": float}
+OPTIONAL_TYPES = {f.name: float if f.type.startswith("float") else int
+                  for f in fields(GRPOConfig) if f.type.endswith("| None")}
 
 
-def add_config_arguments(parser, defaults: GRPOConfig):
-    """One `--dashed-flag` per GRPOConfig field, with help text, defaults and range checks."""
+def add_config_arguments(parser, defaults: GRPOConfig, helps: dict | None = None):
+    """One `--dashed-flag` per GRPOConfig field, with help text, defaults and range checks;
+    `helps` replaces the help of some fields (a script that uses them differently)."""
+    helps = {**CONFIG_HELP, **(helps or {})}
     for f in fields(GRPOConfig):
         if f.name == "output_dir":
             continue  # the scripts add it with a timestamped default
@@ -126,20 +62,28 @@ def add_config_arguments(parser, defaults: GRPOConfig):
             continue
         if isinstance(default, bool):
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
-                                help=CONFIG_HELP[f.name])
+                                help=helps[f.name])
             continue
         kind = OPTIONAL_TYPES.get(f.name, type(default))
         value_type = kind
         if kind in (int, float):
-            value_type = arg_type(kind, CONFIG_RULES.get(f.name), f.name in OPTIONAL_TYPES)
+            value_type = arg_type(kind, f.metadata["rule"], f.name in OPTIONAL_TYPES)
         parser.add_argument(flag, type=value_type, default=default, choices=CHOICES.get(f.name),
-                            help=CONFIG_HELP[f.name])
+                            help=helps[f.name])
 
 
-def add_report_argument(parser, default=()):
-    """--report-to: the live logging backends of tracking.py, several allowed (default none)."""
-    parser.add_argument("--report-to", nargs="+", choices=REPORT_CHOICES,
-                        default=list(default) or ["none"], help=CONFIG_HELP["report_to"])
+def add_report_argument(parser, default=(), help=CONFIG_HELP["report_to"]):
+    """--report-to: the live logging backends of tracking.py, comma-separated (default none)."""
+    parser.add_argument("--report-to", type=report_arg, default=tuple(default),
+                        metavar="{" + ",".join(REPORT_CHOICES) + "}", help=help)
+
+
+def report_arg(text):
+    """argparse type: backend names, comma-separated ('none': none) -> a tuple of names."""
+    try:
+        return report_targets(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def check_report_backends(parser, names):
@@ -274,6 +218,7 @@ def resolve_run(parser, args, argv, run_prefix):
             data["train_level_weights"] = None  # the level mix is the arithmetic world's default
         config = GRPOConfig.from_dict(values)
         check_report_backends(parser, config.report_to)
+        check_report_backends(parser, config.report_to)
         if env_world_size() > config.prompts_per_step:
             raise ValueError(f"{env_world_size()} processes need --prompts-per-step >= "
                              f"{env_world_size()} (whole groups per process), got "
@@ -283,39 +228,67 @@ def resolve_run(parser, args, argv, run_prefix):
     return config, data, source, ckpt
 
 
-def run_cli(argv, description, defaults: GRPOConfig, run_prefix):
-    """Parse flags, load model and data, and run `train_grpo` (data-parallel under torchrun);
-    returns the summary."""
+@dataclass
+class TrainRun:
+    """A checked training command: what `run_training` needs, as plain values."""
+
+    config: GRPOConfig
+    data: dict  # DATA_FLAGS (saved in data.json)
+    model_source: str  # model name / directory, or the checkpoint resumed
+    checkpoint: str | Path | None = None  # resume from this checkpoint
+    device: str | None = None
+    threads: int = 1
+    dtype: str = "float32"
+    overwrite: bool = False
+
+
+def parse_train_args(argv, description, defaults: GRPOConfig, run_prefix) -> TrainRun:
+    """Parse and check the chapter 6-7 training flags; a bad value exits 2 before anything is
+    written."""
     parser = build_parser(description, defaults, run_prefix)
     args = parser.parse_args(argv)
-    config, data, model_source, ckpt = resolve_run(parser, args, argv, run_prefix)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    config, data, source, ckpt = resolve_run(parser, args, argv, run_prefix)
+    return TrainRun(config, data, source, ckpt, args.device, args.threads, args.dtype,
+                    args.overwrite)
+
+
+def run_training(run: TrainRun):
+    """Load model and data and run `train_grpo` (data-parallel under torchrun); returns the
+    summary."""
+    if run.threads:
+        torch.set_num_threads(run.threads)
     try:
-        device = init_distributed(get_device(args.device))  # a no-op without torchrun
-    except ValueError as err:
-        parser.error(str(err))
+        device = init_distributed(get_device(run.device))  # a no-op without torchrun
+    except ValueError as err:  # e.g. torchrun on an MPS device: argparse's message and status
+        print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
-        return _train_from_cli(args, config, data, model_source, ckpt, device)
+        return _train(run, device)
     finally:
         shutdown_distributed()
 
 
-def _train_from_cli(args, config, data, model_source, ckpt, device):
-    """`run_cli` once the flags are checked and the process group (if any) is joined."""
-    model, tokenizer = load_pretrained(model_source, device=device,
-                                       dtype=getattr(torch, args.dtype))
+def run_cli(argv, description, defaults: GRPOConfig, run_prefix):
+    """`parse_train_args` then `run_training`: the whole command line in one call."""
+    return run_training(parse_train_args(argv, description, defaults, run_prefix))
+
+
+def _train(run: TrainRun, device):
+    """`run_training` once the process group (if any) is joined."""
+    config, data = run.config, run.data
+    model, tokenizer = load_pretrained(run.model_source, device=device,
+                                       dtype=getattr(torch, run.dtype))
     train, held_out = load_grpo_data(data["dataset"], data["train_examples"], data["eval_split"],
                                      config.eval_examples, data.get("train_level_weights"))
     if is_main():
         where = f"{device}" if world_size() == 1 else f"{device.type} x {world_size()} processes"
-        print(f"model {model_source} on {where}; {len(train)} training problems, "
+        print(f"model {run.model_source} on {where}; {len(train)} training problems, "
               f"{len(held_out)} held-out ({data['dataset']}); run dir {config.output_dir}")
     # written only now that model and data loaded (a failed start leaves the directory as it was)
     run_on_main(atomic_write_json, Path(config.output_dir) / "data.json", data)
     try:
         summary = train_grpo(model, tokenizer, train, held_out, device, config,
-                             resume_from=ckpt, overwrite=args.overwrite)
+                             resume_from=run.checkpoint, overwrite=run.overwrite)
     except KeyboardInterrupt:  # the checkpoint is saved and the way on printed: no traceback
         raise SystemExit(130) from None
     if is_main():

@@ -48,9 +48,9 @@ arm (`summarise`), means +- sd over seeds:
   (the final accuracy for arms that never exceed that budget).
 
 Resumable: a finished run (curve.json) is reused if it was run with the same settings, an
-interrupted one continues from its last checkpoint; `args.report_only` trains nothing and only
-tabulates and plots the finished runs. The flags (`args`) are those of
-chapters/ch08_process_vs_outcome.py, the command line of this module.
+interrupted one continues from its last checkpoint; `ExperimentSettings.report_only` trains
+nothing and only tabulates and plots the finished runs. chapters/ch08_process_vs_outcome.py is
+the command line of this module.
 """
 
 from __future__ import annotations
@@ -60,16 +60,22 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .device import get_device
-from .evaluation import evaluate_policy
-from .experiments import (
+from ..cli.train import load_grpo_data
+from ..device import get_device
+from ..evaluation import evaluate_policy
+from ..files import atomic_write_json
+from ..prm import train_prm_on_arithmetic
+from ..run_log import read_metrics
+from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
+from ..weights import load_pretrained
+from .stats import (
     SETTINGS_FILE,
     format_pm,
     jsonable,
@@ -78,13 +84,7 @@ from .experiments import (
     settings_diff,
     stat,
 )
-from .experiments import format_value as _opt  # short: the table lines are long
-from .files import atomic_write_json
-from .prm import train_prm_on_arithmetic
-from .run_log import read_metrics
-from .training import GRPOConfig, train_grpo
-from .training_cli import load_grpo_data
-from .weights import load_pretrained
+from .stats import format_value as _opt  # short: the table lines are long
 
 # arm -> (step scorer spec, process variant; None = --process-variant); "prm" gets its path later
 ARMS = {
@@ -110,6 +110,30 @@ PER_RUN = {"seed": "--seeds sets each run's seed", "supervision": "each arm sets
 # Fields that do not change what a run learns or how it is scored (ignored when reusing runs).
 COSMETIC = ("output_dir", "progress", "eval_batch_size", "report_to", "sample_every")
 PROCESS_FIELDS = ("step_scorer", "process_variant", "step_split", "mc_rollouts")
+
+
+@dataclass
+class ExperimentSettings:
+    """The experiment's own settings (the GRPOConfig shared by every arm comes separately)."""
+
+    output_dir: str = "runs/ch08-process-vs-outcome"  # run directories, PRM cache, results
+    model: str = "tiny-arith"  # base model of every run and of the prm arm's PRM
+    eval_points: int = 4  # a checkpoint every steps // eval_points steps
+    eval_split: str = "test"
+    train_examples: int | None = None
+    train_level_weights: tuple | list | None = DEFAULT_TRAIN_LEVEL_WEIGHTS
+    process_skip_zero_advantage: bool = False  # skip equal-outcome groups in process arms too
+    report_only: bool = False  # train nothing: tabulate the finished runs
+    device: str | None = None
+    prm: str | None = None  # a saved PRM for the prm arm (None: train one, cached)
+    prm_labels: str = "verifier"  # verifier | mc
+    prm_train_problems: int = 200
+    prm_eval_problems: int = 100
+    prm_samples: int = 4
+    prm_max_new_tokens: int | None = None  # None: the GRPOConfig's max_new_tokens
+    prm_epochs: int = 3
+    prm_lr: float = 1e-3
+    prm_batch_size: int = 16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,7 +165,7 @@ def _run_settings(config, args, prm_report=None):
     elif not config.step_scorer.startswith("mc"):
         s.pop("mc_rollouts")
     s.update(model=args.model, eval_split=args.eval_split, train_examples=args.train_examples,
-             train_level_weights=getattr(args, "train_level_weights", None))
+             train_level_weights=args.train_level_weights)
     if config.step_scorer.startswith("prm:") and config.supervision == "process":
         s["prm_settings"] = (prm_report or {}).get("settings")
     return json.loads(json.dumps(s))  # as it reads back from JSON
@@ -372,7 +396,7 @@ def _fmt_tokens(row):
 
 
 def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
-    """results.md: the table for the README, with the definitions under it."""
+    """results.md: the table of docs/process_vs_outcome.md, with the definitions under it."""
     rows, target, budget = summary["rows"], summary["target"], summary["token_budget"]
     lines = [
         "| supervision | seeds | final accuracy | step correctness | right answer, wrong step | "
@@ -493,23 +517,22 @@ def plot_process_vs_outcome(curves, base, path, token_budget=None):
 # ----------------------------------------------------------------------------------------------
 
 
-def run_experiment(args, arms, seeds):
+def run_experiment(settings: ExperimentSettings, config: GRPOConfig, arms, seeds):
     """Run (or reuse) every arm x seed, then write results.md, results.json and the figure.
 
-    `args`: the flags of chapters/ch08_process_vs_outcome.py (an argparse.Namespace: model,
-    eval_points, eval_split, train_examples, process_skip_zero_advantage, report_only, output_dir,
-    device, prm, the prm_* settings and every GRPOConfig field); `arms`: names from `ARMS`;
-    `seeds`: ints. Returns `summarise`'s summary.
+    `config`: the GRPO settings shared by every arm (each arm sets its supervision, seed, output
+    directory and checkpoints, `PER_RUN`); `arms`: names from `ARMS`; `seeds`: ints. Returns
+    `summarise`'s summary.
     """
-    values = {f.name: getattr(args, f.name) for f in fields(GRPOConfig) if f.name != "output_dir"}
-    config = GRPOConfig.from_dict(values)  # checks the values
+    args = settings
+    values = {f.name: getattr(config, f.name) for f in fields(GRPOConfig) if f.name != "output_dir"}
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = get_device(args.device)
     base_model, tokenizer = load_pretrained(args.model, device=device, dtype=torch.float32)
     train, held_out = load_grpo_data("arith", args.train_examples, args.eval_split,
                                      config.eval_examples,
-                                     getattr(args, "train_level_weights", None))
+                                     args.train_level_weights)
     base = _base_figures(base_model, tokenizer, held_out, device, config, args, out)
     print("base model: " + ", ".join(f"{k} {_opt(base[k])}" for k in METRICS))
     prm_path = prm_report = None
@@ -519,7 +542,8 @@ def run_experiment(args, arms, seeds):
                       train, held_out, device, base)
     if not curves:
         raise SystemExit(f"no finished runs in {out}")
-    return _write_results(curves, base, out, prm_report, args,
+    record = {**asdict(settings), **values, "arms": list(arms), "seeds": list(seeds)}
+    return _write_results(curves, base, out, prm_report, record,
                          f"{args.eval_split} split, {len(held_out)} problems")
 
 
@@ -550,14 +574,14 @@ def _run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, token
     return {arm: runs for arm, runs in curves.items() if runs}
 
 
-def _write_results(curves, base, out, prm_report, args, held_out_name):
+def _write_results(curves, base, out, prm_report, record, held_out_name):
     """Summarise the curves into results.md, process_vs_outcome.png and results.json in `out`."""
     summary = summarise(curves, base)
     table = write_table(summary, base, out / "results.md", prm_report, held_out_name)
     plot_process_vs_outcome(curves, base, out / "process_vs_outcome.png",
                             summary["token_budget"])
     atomic_write_json(out / "results.json", jsonable({
-        "base": base, **summary, "curves": curves, "prm": prm_report, "args": vars(args)}))
+        "base": base, **summary, "curves": curves, "prm": prm_report, "args": record}))
     print(table)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'process_vs_outcome.png'}")
     return summary

@@ -19,7 +19,7 @@ over the last 20% of steps (samples.jsonl; length bias), clip fraction (low + hi
 steps), mean KL over the last 10 steps, training seconds (the trainer's step times). The table
 (`write_comparison_table`) has mean +- sd over seeds; `plot_comparison` draws accuracy and
 entropy per arm.
-Runs are resumable and reused like chapter 8's (`experiments.resume_point`).
+Runs are resumable and reused like chapter 8's (`stats.resume_point`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .evaluation import evaluate_policy
-from .experiments import (
+from ..evaluation import evaluate_policy
+from ..files import atomic_write_json
+from ..run_log import read_metrics
+from ..training import CHAPTER6_RECIPE, GRPOConfig, train_grpo
+from .stats import (
     SETTINGS_FILE,
     format_pm,
     format_value,
@@ -45,9 +48,6 @@ from .experiments import (
     settings_diff,
     stat,
 )
-from .files import atomic_write_json
-from .run_log import read_metrics
-from .training import CHAPTER6_RECIPE, GRPOConfig, train_grpo
 
 # The shared settings of every arm (GRPOConfig overrides): 60 steps x 8 prompts x 8 rollouts.
 COMPARISON_DEFAULTS = dict(steps=60, prompts_per_step=8, num_rollouts=8, eval_every=0,

@@ -17,7 +17,7 @@ seconds; the comparison reads GRPO's curve at the distillation run's total cost 
 wall-clock"). The teacher's own training (chapter 7's default run) is not charged to the
 distillation arm, as R1 did not charge its 671B teacher: the question is what a given budget
 buys the *student*. Runs are reused when finished and resumed when interrupted
-(`experiments.resume_point`).
+(`stats.resume_point`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,14 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .distillation import generate_distillation_data, read_traces, write_traces
-from .distillation_training import DistillConfig, train_distillation
-from .evaluation import evaluate_policy
-from .experiments import (
+from ..distillation import generate_distillation_data, read_traces, write_traces
+from ..distillation_training import DistillConfig, train_distillation
+from ..evaluation import evaluate_policy
+from ..files import atomic_write_json, read_json
+from ..run_log import read_metrics
+from ..training import GRPOConfig, train_grpo
+from ..weights import load_pretrained
+from .stats import (
     SETTINGS_FILE,
     format_pm,
     format_value,
@@ -40,10 +44,6 @@ from .experiments import (
     settings_diff,
     stat,
 )
-from .files import atomic_write_json, read_json
-from .run_log import read_metrics
-from .training import GRPOConfig, train_grpo
-from .weights import load_pretrained
 
 EXPERIMENT_ARMS = ("distill", "self_distill", "grpo")
 # The experiment's settings (the chapter 9 script's defaults): what decides a run's result.

@@ -9,7 +9,7 @@ import math
 import shutil
 from pathlib import Path
 
-from .checkpoints import find_checkpoint
+from ..checkpoints import find_checkpoint
 
 SETTINGS_FILE = "settings.json"
 
