@@ -1,4 +1,4 @@
-"""Execute the chapter notebooks top to bottom and save them with their outputs and plots.
+"""Execute the notebooks top to bottom and save them with their outputs and plots.
 
 The notebooks are committed executed, so a reader browsing them sees the results. Each runs in a
 fresh kernel of *this* interpreter (a kernelspec written to a temporary directory, so `python`
@@ -6,8 +6,10 @@ on PATH does not matter), with no network (HF_HUB_OFFLINE=1) and one CPU thread 
 shared CPU, several threads per process are many times slower). tests/test_notebooks.py uses
 `execute_notebook` too, without writing.
 
-    python notebooks/execute.py                      # every notebook in notebooks/, in place
-    python notebooks/execute.py notebooks/ch06_grpo.ipynb
+    python notebooks/execute.py       # every notebook in notebooks/ and notebooks/solutions/
+    python notebooks/execute.py notebooks/ch06_grpo.ipynb notebooks/solutions/ch06_solutions.ipynb
+
+A notebook runs in its own directory, so its relative paths (../docs/...) work as in Jupyter.
 """
 
 import argparse
@@ -24,6 +26,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent
+SOLUTIONS_DIR = NOTEBOOK_DIR / "solutions"
 KERNEL_NAME = "rfs-python"
 CELL_TIMEOUT_S = 300
 # The kernel inherits these: no hub access, one thread.
@@ -40,13 +43,15 @@ def write_kernelspec(kernels_dir: Path) -> None:
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
 
 
-def execute_notebook(nb, kernels_dir: Path, timeout: int = CELL_TIMEOUT_S) -> float:
-    """Run every cell of notebook `nb` in place (outputs filled in); returns the wall seconds."""
+def execute_notebook(nb, kernels_dir: Path, timeout: int = CELL_TIMEOUT_S,
+                     cwd: Path = NOTEBOOK_DIR) -> float:
+    """Run every cell of notebook `nb` in place (outputs filled in), in directory `cwd`;
+    returns the wall seconds."""
     os.environ.update(KERNEL_ENV)
     specs = KernelSpecManager(kernel_dirs=[str(kernels_dir)])
     client = NotebookClient(
         nb, km=AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs),
-        timeout=timeout, resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
+        timeout=timeout, resources={"metadata": {"path": str(cwd)}},
     )
     start = time.perf_counter()
     client.execute()
@@ -57,17 +62,19 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("notebooks", nargs="*", type=Path,
-                   help="notebooks to execute (none: every notebooks/*.ipynb)")
+                   help="notebooks to execute (none: every notebooks/*.ipynb and "
+                   "notebooks/solutions/*.ipynb)")
     args = p.parse_args(argv)
-    paths = args.notebooks or sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+    paths = args.notebooks or (sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+                               + sorted(SOLUTIONS_DIR.glob("*.ipynb")))
     with tempfile.TemporaryDirectory() as kernels:
         write_kernelspec(Path(kernels))
         for path in paths:
             nb = nbformat.read(path, as_version=4)
-            seconds = execute_notebook(nb, Path(kernels))
+            seconds = execute_notebook(nb, Path(kernels), cwd=path.resolve().parent)
             nb.metadata.pop("widgets", None)
             nbformat.write(nb, path)
-            print(f"{path.name}: executed in {seconds:.0f} s, saved with its outputs")
+            print(f"{path}: executed in {seconds:.0f} s, saved with its outputs")
 
 
 if __name__ == "__main__":

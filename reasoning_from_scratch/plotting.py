@@ -2,6 +2,9 @@
 (`plot_grpo_metrics`, a run's metrics.png), and several runs on shared axes, seeds of one
 setting as mean ± sd (`plot_runs`, chapters/compare_runs.py).
 
+The evaluation bars start with the model before training at step 0 (from `base`, or from the
+run's summary.json), so a gain is read against where the run started.
+
 Figures are drawn with the Agg canvas directly (no pyplot), so plotting works headless and never
 changes the process-wide matplotlib backend of a notebook that imports this module.
 """
@@ -9,6 +12,7 @@ changes the process-wide matplotlib backend of a notebook that imports this modu
 from __future__ import annotations
 
 import csv
+import json
 import math
 import statistics
 from pathlib import Path
@@ -53,15 +57,61 @@ def _read_columns(csv_path, columns):
     return steps, data
 
 
-def plot_grpo_metrics(csv_path, columns, save_as=None):
+def base_values(csv_path, base=None):
+    """Evaluation column -> the starting model's value, for the bars at step 0.
+
+    `base`: {column: value} (e.g. {"eval_accuracy": 0.22}); None reads base_<figure> from the
+    summary.json beside `csv_path` (written by `train_grpo`), or finds none ({}).
+    """
+    if base is None:
+        summary = Path(csv_path).with_name("summary.json")
+        try:
+            data = json.loads(summary.read_text())
+        except (OSError, ValueError):
+            return {}
+        base = {c: data.get("base_" + c.removeprefix("eval_")) for c in BAR_COLUMNS}
+    return {c: float(v) for c, v in base.items() if v is not None}
+
+
+def _draw_bars(ax, points, base):
+    """Evaluation values as bars, the base model's (if known) as a grey bar at step 0."""
+    if base is not None:
+        points = [(0.0, base), *[(x, y) for x, y in points if x != 0]]
+    xs = [x for x, _ in points]
+    width = 0.6 * (min(b - a for a, b in zip(xs, xs[1:])) if len(xs) > 1 else 1.0)
+    is_base = [base is not None and i == 0 for i in range(len(points))]
+    ax.bar(xs, [y for _, y in points], width=width,
+           color=["tab:gray" if b else "tab:green" for b in is_base])
+    for (x, y), b in zip(points, is_base):
+        ax.annotate(f"base {y:.2f}" if b else f"{y:.2f}", (x, y), ha="center", va="bottom",
+                    fontsize=8)
+
+
+def _draw_curve(ax, xs, ys):
+    """Raw values (faint) and their moving average; one solid line when the two coincide."""
+    smooth = moving_average(list(ys))
+    same = all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(ys, smooth))
+    if same:  # a window of one point: the average is the raw curve, drawn once
+        ax.plot(xs, ys, color="tab:blue")
+        return
+    ax.plot(xs, ys, color="tab:blue", alpha=0.3, label="raw")
+    ax.plot(xs, smooth, color="tab:blue", label="moving average")
+    ax.legend(fontsize=8, loc="best")
+
+
+def plot_grpo_metrics(csv_path, columns, save_as=None, base=None):
     """One panel per column of a metrics.csv: raw (faint) and moving average; eval columns as bars.
 
-    Returns the matplotlib Figure; writes a PNG to `save_as` when given.
+    Evaluation columns get the starting model's value as a grey bar at step 0 (`base`, see
+    `base_values`: given, or read from the run's summary.json). A curve whose moving average
+    equals its raw values (too few points for a window) is drawn once. Returns the matplotlib
+    Figure; writes a PNG to `save_as` when given.
     """
     columns = list(columns)
     if not columns:
         raise ValueError("plot_grpo_metrics: no columns to plot")
     steps, data = _read_columns(csv_path, columns)
+    starts = base_values(csv_path, base)
     ncols = min(2, len(columns))
     nrows = math.ceil(len(columns) / ncols)
     fig = Figure(figsize=(6 * ncols, 2.8 * nrows), layout="constrained")
@@ -69,19 +119,12 @@ def plot_grpo_metrics(csv_path, columns, save_as=None):
     for i, col in enumerate(columns):
         ax = fig.add_subplot(nrows, ncols, i + 1)
         points = [(s, v) for s, v in zip(steps, data[col]) if v is not None]
-        if not points:
+        if col in BAR_COLUMNS and (points or col in starts):
+            _draw_bars(ax, points, starts.get(col))
+        elif not points:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        elif col in BAR_COLUMNS:
-            xs, ys = zip(*points)
-            width = 0.6 * (min(b - a for a, b in zip(xs, xs[1:])) if len(xs) > 1 else 1.0)
-            ax.bar(xs, ys, width=width, color="tab:green")
-            for x, y in points:
-                ax.annotate(f"{y:.2f}", (x, y), ha="center", va="bottom", fontsize=8)
         else:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, color="tab:blue", alpha=0.3, label="raw")
-            ax.plot(xs, moving_average(list(ys)), color="tab:blue", label="moving average")
-            ax.legend(fontsize=8, loc="best")
+            _draw_curve(ax, *zip(*points))
         ax.set_title(col)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

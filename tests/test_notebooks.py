@@ -1,15 +1,24 @@
-"""The chapter notebooks (notebooks/*.ipynb): they run, they are clean, they match the package.
+"""The notebooks (notebooks/*.ipynb and their exercise solutions, notebooks/solutions/*.ipynb):
+they run, they are clean, they match the package, their text agrees with their outputs.
 
 - Each notebook runs top to bottom without an error in a fresh kernel of *this* interpreter
   (notebooks/execute.py's `execute_notebook`: no network, one CPU thread); its wall time is
-  printed and must stay under 3 minutes (set RFS_NOTEBOOK_TIME_LIMIT_S to change the limit, 0 to
-  disable it).
+  printed and must stay under 3 minutes for a chapter, 1 minute for a solutions notebook (set
+  RFS_NOTEBOOK_TIME_LIMIT_S / RFS_SOLUTIONS_TIME_LIMIT_S to change the limits, 0 to disable).
 - They are committed executed (`python notebooks/execute.py`): at least 80% of the code cells
   have outputs, the cells were run in order, no output is an error, from chapter 4 on at least one
-  plot; every source line is at most 100 characters.
+  plot in the chapter notebook; every source line is at most 100 characters.
 - Every function or class a notebook defines at top level must have a package twin: the
   notebook imports a same-named object from `reasoning_from_scratch` and uses it (to show both
   give the same result). Names starting with `_` are notebook-local helpers and exempt.
+- A measured number quoted in the text (a decimal such as 0.35, a percentage, a duration in
+  seconds) must be one the notebook prints (possibly rounded) or a literal of its code: text
+  written before the run, or left unchanged after a re-run, contradicts the outputs.
+- Every chapter notebook ends with an "Exercises" section of 2-3 exercises (`### Exercise N.k`
+  headings) and has a solutions notebook, notebooks/solutions/chNN_solutions.ipynb, that
+  answers each of them under the same heading.
+- Every image a notebook's text shows exists; the diagrams under notebooks/figures/ can be
+  redrawn by notebooks/figures/ch02_ch09_diagrams.py.
 
 Select these tests with `pytest -m notebooks`, skip them with `pytest -m "not notebooks"`.
 """
@@ -17,6 +26,7 @@ Select these tests with `pytest -m notebooks`, skip them with `pytest -m "not no
 import ast
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -28,16 +38,25 @@ pytestmark = pytest.mark.notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
-NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+SOLUTIONS_DIR = NOTEBOOK_DIR / "solutions"
+CHAPTERS = sorted(NOTEBOOK_DIR.glob("ch*.ipynb"))
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb")) + sorted(SOLUTIONS_DIR.glob("*.ipynb"))
 PACKAGE = "reasoning_from_scratch"
 MAX_LINE = 100
 CELL_TIMEOUT_S = 300
 TIME_LIMIT_S = float(os.environ.get("RFS_NOTEBOOK_TIME_LIMIT_S", "180"))
+SOLUTIONS_TIME_LIMIT_S = float(os.environ.get("RFS_SOLUTIONS_TIME_LIMIT_S", "60"))
 MIN_OUTPUT_SHARE = 0.8
+EXERCISES = (2, 3)  # exercises per chapter, at least and at most
+
+
+def _name(path):
+    """The notebook's path below notebooks/: "ch05_best_of_n.ipynb", "solutions/ch05_..."."""
+    return path.relative_to(NOTEBOOK_DIR).as_posix()
 
 
 def _ids(paths):
-    return [p.name for p in paths]
+    return [_name(p) for p in paths]
 
 
 def _read(path):
@@ -128,6 +147,7 @@ def executed_problems(nb, name):
               if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
     if errors:
         problems.append(f"code cells {errors} have error outputs")
+    # a chapter notebook ("ch05_best_of_n.ipynb"), not a solutions one ("solutions/ch05_...")
     chapter = int(name[2:4]) if name[:2] == "ch" and name[2:4].isdigit() else 0
     plots = sum("image/png" in o.get("data", {}) for c in code for o in c.get("outputs", []))
     if chapter >= 4 and not plots:
@@ -139,18 +159,19 @@ def executed_problems(nb, name):
 def test_notebook_is_committed_executed(path):
     """Outputs and plots present, cells run in order, no errors, lines of <= 100 characters."""
     nb = _read(path)
-    problems = executed_problems(nb, path.name)
+    problems = executed_problems(nb, _name(path))
     for i, cell in enumerate(nb.cells):
         for n, line in enumerate(cell.source.splitlines(), start=1):
             if len(line) > MAX_LINE:
                 problems.append(f"cell {i} line {n}: {len(line)} > {MAX_LINE} characters")
-    assert not problems, f"{path.name}:\n" + "\n".join(problems)
+    assert not problems, f"{_name(path)}:\n" + "\n".join(problems)
 
 
 def test_executed_check_flags_a_stripped_notebook():
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("print(x)")]
     assert len(executed_problems(nb, "ch05_x.ipynb")) == 3  # outputs, order, plot
+    assert len(executed_problems(nb, "solutions/ch05_solutions.ipynb")) == 2  # no plot needed
     assert _silent_by_nature("import torch\nx = 1\ndef f():\n    print(x)")
     assert not _silent_by_nature("x = 1\nprint(x)")
 
@@ -159,7 +180,7 @@ def test_executed_check_flags_a_stripped_notebook():
 def test_notebook_definitions_have_package_twins(path):
     offenders = untwinned_definitions(_read(path))
     assert not offenders, (
-        f"{path.name} defines {offenders} without importing and using a same-named object from "
+        f"{_name(path)} defines {offenders} without importing and using a same-named object from "
         f"{PACKAGE} (compare each taught function with its package version; prefix notebook-only "
         "helpers with '_')"
     )
@@ -205,8 +226,234 @@ def test_notebook_runs(path, tmp_path, monkeypatch, capsys):
         "reasoning_from_scratch.__file__"
     )
     nb.cells.insert(0, nbformat.v4.new_code_cell(check))
-    wall = execute.execute_notebook(nb, tmp_path, timeout=CELL_TIMEOUT_S)
+    wall = execute.execute_notebook(nb, tmp_path, timeout=CELL_TIMEOUT_S, cwd=path.parent)
     with capsys.disabled():
-        print(f"\n[notebooks] {path.name}: {wall:.1f} s")
-    if TIME_LIMIT_S > 0:
-        assert wall < TIME_LIMIT_S, f"{path.name} took {wall:.0f} s (limit {TIME_LIMIT_S:.0f} s)"
+        print(f"\n[notebooks] {_name(path)}: {wall:.1f} s")
+    limit = SOLUTIONS_TIME_LIMIT_S if path.parent == SOLUTIONS_DIR else TIME_LIMIT_S
+    if limit > 0:
+        assert wall < limit, f"{_name(path)} took {wall:.0f} s (limit {limit:.0f} s)"
+
+
+# --- numbers quoted in the text must be numbers the notebook prints ---------------------------
+
+NUMBER = r"\d+(?:\.\d+)?"
+# What the text quotes as a measurement: a decimal (0.35, -0.448), a percentage (44%, 24 %) or
+# a duration (42 s, 1.5 seconds). Plain integers ("40 problems", "chapter 7") are settings and
+# references far more often than results, so they are not checked. A number glued to a word
+# ("Qwen3-0.6B", "v2.1") is a name, not a quote.
+QUOTED = re.compile(
+    rf"(?<![\w.])(?<![\w.]-)(?P<num>{NUMBER})"
+    r"(?:(?P<pct>\s?%)|(?P<sec>\s(?:s|ms|seconds?)\b))?(?![\w%]|\.\d)"
+)
+# Decimals after these words are references, not measurements: "arXiv 2203.11171", "section 5.2"
+# (and the numbers listed after one: "sections 2.4 and 4.1").
+REFERENCE_WORDS = ("arxiv", "section", "sections", "eq.", "equation", "table", "figure", "fig.",
+                   "exercise", "exercises", "version", "python", "chapter", "chapters")
+REFERENCE_LIST = re.compile(r"\s*(?:,|and|or|to|-)?\s*")
+# Code spans, math, link targets and HTML tags are not prose (a hand computation written as
+# math, $6/13 = 0.4615$, is not a quote of an output).
+NOT_PROSE = re.compile(r"```.*?```|`[^`]*`|\$\$.*?\$\$|\$[^$]*\$|\]\([^)]*\)|<[^>]*>", re.S)
+
+
+def _output_text(nb):
+    """Everything the code cells printed or displayed as text."""
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            if out.get("output_type") == "stream":
+                parts.append(out.get("text", ""))
+            for kind in ("text/plain", "text/markdown"):
+                parts.append(out.get("data", {}).get(kind, ""))
+    return "\n".join(parts)
+
+
+def _decimals(text):
+    return len(text.split(".")[1]) if "." in text else 0
+
+
+def quoted_numbers(markdown):
+    """(quoted text, value, decimals, is_percent) for each measured number the prose quotes."""
+    prose = NOT_PROSE.sub(" ", markdown)
+    quotes, reference_end = [], None
+    for m in QUOTED.finditer(prose):
+        num = m.group("num")
+        before = prose[: m.start()].rstrip().rsplit(None, 1)
+        if (before and before[-1].lower().strip("([:") in REFERENCE_WORDS) or (
+                reference_end is not None
+                and REFERENCE_LIST.fullmatch(prose[reference_end: m.start()])):
+            reference_end = m.end()
+            continue
+        reference_end = None
+        if not (m.group("pct") or m.group("sec") or "." in num):
+            continue  # a plain integer
+        negative = m.start() > 0 and prose[m.start() - 1] == "-" and (
+            m.start() < 2 or not prose[m.start() - 2].isalnum())
+        value = float(num) * (-1 if negative else 1)
+        text = ("-" if negative else "") + m.group(0).strip()
+        quotes.append((text, value, _decimals(num), bool(m.group("pct"))))
+    return quotes
+
+
+def _supported(value, decimals, percent, printed):
+    """True if a printed (value, decimals) rounds to the quoted value (a fraction, for a %)."""
+    tolerance = 0.5 * 10.0 ** -decimals + 1e-9
+    for v, d in printed:
+        if d < decimals:  # a printed 0.3 is not the source of a quoted 0.35 (but of 0.30)
+            if v == value or (value >= 0 and -v == value):
+                return True
+            continue
+        if abs(v - value) <= tolerance or (value >= 0 and abs(-v - value) <= tolerance):
+            return True  # a printed -0.45 may be quoted as a loss of 0.45, not the reverse
+        if percent and d >= decimals + 2 and abs(100 * v - value) <= tolerance:
+            return True  # 0.44 printed, "44%" quoted
+    return False
+
+
+def unsupported_numbers(nb):
+    """Quoted measured numbers of the markdown that no output prints and no code cell sets."""
+    def numbers(text):  # "-" is a sign unless a digit or letter precedes it ("20-5")
+        found = re.findall(rf"(?<![\w.])-?{NUMBER}|{NUMBER}", text)
+        return [(float(t), _decimals(t)) for t in found]
+
+    printed = numbers(re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", _output_text(nb)))  # 1,000
+    literals = numbers("\n".join(_code_sources(nb)))
+    problems = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "markdown":
+            continue
+        for text, value, decimals, percent in quoted_numbers(cell.source):
+            if not _supported(value, decimals, percent, printed + literals):
+                problems.append(f"markdown cell {i} quotes {text!r}, which no output prints")
+    return problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_markdown_numbers_are_printed(path):
+    problems = unsupported_numbers(_read(path))
+    assert not problems, (
+        f"{_name(path)}: " + "; ".join(problems)
+        + " (write the text after the run, from the printed values)"
+    )
+
+
+def test_number_check_flags_a_contradiction():
+    nb = nbformat.v4.new_notebook()
+    code = nbformat.v4.new_code_cell("evaluate(temperature=0.8)")
+    code.outputs = [nbformat.v4.new_output(
+        "stream", text="accuracy by N: 0.07 0.12 0.35\nPRM trained in 42 s, step acc 0.842\n")]
+    nb.cells = [
+        nbformat.v4.new_markdown_cell(
+            "Qwen3-0.6B at temperature 0.8 (`top_p=0.95`, arXiv 2203.11171, $x = 1.5$): "
+            "accuracy rises from 0.07 to 0.35 in 42 s; the PRM is right on 84% of steps "
+            "(0.84, ~84.2 %)."),
+        code,
+        nbformat.v4.new_markdown_cell(
+            "Accuracy falls to 0.06, the PRM trains in half a minute (30 s) and is right on "
+            "a third (33%) of steps; -0.842 is not 0.842, and 0.3 is not 0.35."),
+    ]
+    assert quoted_numbers("Qwen3-0.6B gets 0.5 in 3 s, 12% of 40; section 5.2") == [
+        ("0.5", 0.5, 1, False), ("3 s", 3.0, 0, False), ("12%", 12.0, 0, True)]
+    problems = unsupported_numbers(nb)
+    assert [p.split(" quotes ")[1].split(",")[0] for p in problems] == [
+        "'0.06'", "'30 s'", "'33%'", "'-0.842'"]
+    assert all(p.startswith("markdown cell 2 ") for p in problems)
+
+
+# --- every chapter ends with exercises, answered in a solutions notebook ----------------------
+
+EXERCISES_HEADING = re.compile(r"^#{1,3}\s+(?:\d+\.\s+)?Exercises\s*$", re.M)
+EXERCISE_HEADING = re.compile(r"^#{2,4}\s+Exercise\s+(\d+)\.(\d+)\b", re.M)
+SECTION_HEADING = re.compile(r"^#{1,2}\s+\S", re.M)
+
+
+def _exercise_numbers(cells):
+    return [(int(a), int(b)) for c in cells if c.cell_type == "markdown"
+            for a, b in EXERCISE_HEADING.findall(c.source)]
+
+
+def exercise_problems(nb, chapter, solutions):
+    """Why chapter `chapter`'s notebook `nb` lacks a closing exercises section answered by the
+    notebook `solutions` (None if it does not exist); empty list if nothing is missing."""
+    starts = [i for i, c in enumerate(nb.cells)
+              if c.cell_type == "markdown" and EXERCISES_HEADING.search(c.source)]
+    if not starts:
+        return ["no '## Exercises' section"]
+    start = starts[-1]
+    problems = []
+    body = nb.cells[start:]
+    later_sections = [i for i, c in enumerate(body) if c.cell_type == "markdown" and i > 0
+                      and SECTION_HEADING.search(c.source)]
+    if later_sections:
+        problems.append(f"the exercises section (cell {start}) is not the last section")
+    numbers = _exercise_numbers(body)
+    wanted = [(chapter, k) for k in range(1, len(numbers) + 1)]
+    if not EXERCISES[0] <= len(numbers) <= EXERCISES[1]:
+        problems.append(f"{len(numbers)} exercises (want {EXERCISES[0]}-{EXERCISES[1]}, "
+                        f"headed '### Exercise {chapter}.1: ...')")
+    elif numbers != wanted:
+        problems.append(f"exercises numbered {numbers}, want {wanted}")
+    if solutions is None:
+        problems.append(f"no solutions notebook solutions/ch{chapter:02d}_solutions.ipynb")
+    else:
+        missing = sorted(set(numbers) - set(_exercise_numbers(solutions.cells)))
+        if missing:
+            problems.append(f"the solutions notebook does not answer exercises {missing}")
+    return problems
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=_ids(CHAPTERS))
+def test_chapter_has_exercises_and_solutions(path):
+    chapter = int(path.name[2:4])
+    solutions_path = SOLUTIONS_DIR / f"ch{chapter:02d}_solutions.ipynb"
+    solutions = _read(solutions_path) if solutions_path.is_file() else None
+    problems = exercise_problems(_read(path), chapter, solutions)
+    assert not problems, f"{_name(path)}: " + "; ".join(problems)
+
+
+def test_exercise_check_flags_missing_exercises_and_solutions():
+    md = nbformat.v4.new_markdown_cell
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [md("# Chapter 4\n## 1. Sampling"), md("## Exercises"),
+                md("### Exercise 4.1: more samples"), md("### Exercise 4.2: top-k")]
+    solutions = nbformat.v4.new_notebook()
+    solutions.cells = [md("## Exercise 4.1: more samples")]
+    assert exercise_problems(nb, 4, solutions) == [
+        "the solutions notebook does not answer exercises [(4, 2)]"]
+    solutions.cells.append(md("## Exercise 4.2"))
+    assert exercise_problems(nb, 4, solutions) == []
+    assert len(exercise_problems(nb, 4, None)) == 1
+    nb.cells.append(md("## Summary"))
+    nb.cells.insert(2, md("### Exercise 3.1: wrong chapter"))
+    assert exercise_problems(nb, 4, solutions) == [
+        "the exercises section (cell 1) is not the last section",
+        "exercises numbered [(3, 1), (4, 1), (4, 2)], want [(4, 1), (4, 2), (4, 3)]",
+        "the solutions notebook does not answer exercises [(3, 1)]"]
+    nb.cells = nb.cells[:1]
+    assert exercise_problems(nb, 4, solutions) == ["no '## Exercises' section"]
+
+
+# --- figures: every image a notebook shows exists, and the diagrams can be redrawn -------------
+
+IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_images_exist(path):
+    missing = [link for cell in _read(path).cells if cell.cell_type == "markdown"
+               for link in IMAGE_LINK.findall(cell.source)
+               if "://" not in link and not (path.parent / link).is_file()]
+    assert not missing, f"{_name(path)} shows images that do not exist: {missing}"
+
+
+def test_diagrams_are_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    script = NOTEBOOK_DIR / "figures" / "ch02_ch09_diagrams.py"
+    spec = importlib.util.spec_from_file_location("diagrams", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(tmp_path)
+    drawn = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert len(drawn) == len(module.DIAGRAMS)
+    committed = {p.name for p in (NOTEBOOK_DIR / "figures").glob("*.png")}
+    assert set(drawn) <= committed, "redraw: python notebooks/figures/ch02_ch09_diagrams.py"
+    assert all((tmp_path / name).stat().st_size > 5_000 for name in drawn)

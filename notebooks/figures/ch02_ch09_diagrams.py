@@ -1,0 +1,167 @@
+"""Draw the diagrams of the chapter 2, 3, 4, 5 and 9 notebooks (notebooks/figures/chNN_*.png).
+
+Boxes and arrows drawn with matplotlib; the notebooks show the committed images, so a reader
+needs nothing but a browser. Redraw after changing a diagram:
+
+    python notebooks/figures/ch02_ch09_diagrams.py
+"""
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import FancyBboxPatch  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+COLORS = {"data": "#e8f0fe", "model": "#fde8d7", "check": "#e6f4ea", "out": "#f3e8fd",
+          "none": "#f1f3f4"}
+
+
+def _box(ax, x, y, text, kind="data", w=2.2, h=0.8, size=9):
+    """A rounded box centred at (x, y); returns its centre."""
+    ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.05",
+                                facecolor=COLORS[kind], edgecolor="#5f6368", linewidth=1))
+    ax.text(x, y, text, ha="center", va="center", fontsize=size)
+    return x, y
+
+
+def _arrow(ax, start, end, text=None, size=8):
+    ax.annotate("", xy=end, xytext=start,
+                arrowprops=dict(arrowstyle="->", color="#5f6368", linewidth=1.2))
+    if text:
+        ax.text((start[0] + end[0]) / 2, (start[1] + end[1]) / 2 + 0.12, text, ha="center",
+                va="bottom", fontsize=size, color="#3c4043")
+
+
+def _canvas(width, height):
+    fig, ax = plt.subplots(figsize=(width, height))
+    ax.set_xlim(0, width * 1.25)
+    ax.set_ylim(0, height * 1.25)
+    ax.axis("off")
+    return fig, ax
+
+
+def _save(fig, path):
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def model_diagram(out_dir):
+    """Chapter 2: the Qwen3 model, bottom to top."""
+    fig, ax = _canvas(6.4, 6.4)
+    x = 4.0
+    ys = [0.5, 1.5, 2.5, 3.4, 4.3, 5.2, 6.2, 7.2]
+    labels = [("token ids (B, T)", "data"), ("embedding  (V x C)", "model"),
+              ("RMSNorm -> grouped-query attention\n(QK-norm, RoPE; KV cache) -> + residual",
+               "model"),
+              ("RMSNorm -> SwiGLU feed-forward\n-> + residual", "model"),
+              ("final RMSNorm", "model"), ("output head (tied to the embedding)", "model"),
+              ("logits (B, T, V): scores of the next token", "out"),
+              ("sample: greedy, temperature, top-p", "check")]
+    centres = [_box(ax, x, y, t, k, w=4.6, h=0.7 if "\n" not in t else 0.8)
+               for y, (t, k) in zip(ys, labels)]
+    for a, b in zip(centres, centres[1:]):
+        _arrow(ax, (a[0], a[1] + 0.4), (b[0], b[1] - 0.4))
+    ax.add_patch(FancyBboxPatch((x - 2.6, 2.0), 5.2, 1.85, boxstyle="round,pad=0.05",
+                                fill=False, edgecolor="#d93025", linestyle="--"))
+    ax.text(x + 2.75, 2.95, "transformer block\nx num_hidden_layers", fontsize=8,
+            color="#d93025", va="center")
+    _save(fig, out_dir / "ch02_qwen3_model.png")
+
+
+def evaluation_diagram(out_dir):
+    """Chapter 3: from a problem to a reward."""
+    fig, ax = _canvas(10.4, 1.6)
+    steps = [("problem", "data"), ("prompt\n(render_prompt)", "data"),
+             ("model: greedy,\nbatched", "model"), ("last \\boxed{...}\n(no fallback)", "check"),
+             ("normalise\n(LaTeX, units)", "check"), ("grade: exact,\nthen sandboxed\nsympy",
+                                                      "check"), ("reward\n1 or 0", "out")]
+    xs = [0.9 + 1.85 * i for i in range(len(steps))]
+    for x, (text, kind) in zip(xs, steps):
+        _box(ax, x, 1.0, text, kind, w=1.5, h=1.0, size=8)
+    for a, b in zip(xs, xs[1:]):
+        _arrow(ax, (a + 0.77, 1.0), (b - 0.77, 1.0))
+    _save(fig, out_dir / "ch03_evaluation_pipeline.png")
+
+
+def vote_diagram(out_dir):
+    """Chapter 4: self-consistency."""
+    fig, ax = _canvas(8.8, 3.2)
+    p = _box(ax, 1.2, 2.0, "prompt", "data", w=1.6)
+    samples = [("Step 1 ...\n\\boxed{12}", "12"), ("\\boxed{9}", "9"),
+               ("Step 1 ...\nThe answer is 12.", "no box:\nno vote"),
+               ("<think> ...\n\\boxed{12}", "12")]
+    for i, (text, answer) in enumerate(samples):
+        y = 3.4 - 0.95 * i
+        s = _box(ax, 4.0, y, text, "model", w=2.4, h=0.75, size=8)
+        _arrow(ax, (p[0] + 0.85, p[1]), (s[0] - 1.25, s[1]))
+        a = _box(ax, 6.7, y, answer, "none" if "no" in answer else "check", w=1.4, h=0.75,
+                 size=8)
+        _arrow(ax, (s[0] + 1.25, s[1]), (a[0] - 0.75, a[1]))
+        if "no" not in answer:
+            _arrow(ax, (a[0] + 0.75, a[1]), (9.3, 2.0))
+    _box(ax, 10.0, 2.0, "vote\n12: 2, 9: 1\n-> 12", "out", w=1.4, h=1.1)
+    ax.text(4.0, 4.05, "N samples (temperature > 0)", ha="center", fontsize=9)
+    ax.text(6.7, 4.05, "boxed answer,\npooled by the grader", ha="center", fontsize=9)
+    _save(fig, out_dir / "ch04_self_consistency.png")
+
+
+def scorer_diagram(out_dir):
+    """Chapter 5: best-of-N and refinement, both driven by a scorer."""
+    fig, ax = _canvas(9.2, 3.4)
+    ax.text(0.2, 3.95, "best-of-N", fontsize=11, weight="bold")
+    _box(ax, 1.2, 2.9, "prompt", "data", w=1.4)
+    _box(ax, 3.7, 2.9, "N complete\nsamples", "model", w=2.0)
+    _box(ax, 6.6, 2.9, "score each: confidence,\nverifier or PRM", "check", w=2.8)
+    _box(ax, 9.9, 2.9, "keep the\nbest-scored one", "out", w=2.0)
+    for x0, x1 in ((1.95, 2.65), (4.75, 5.15), (8.05, 8.85)):
+        _arrow(ax, (x0, 2.9), (x1, 2.9))
+    ax.text(0.2, 1.75, "refinement", fontsize=11, weight="bold")
+    d = _box(ax, 1.6, 0.8, "draft (greedy)", "model", w=2.0)
+    k = _box(ax, 4.6, 0.8, "critic: first\nwrong step?", "check", w=2.2)
+    r = _box(ax, 7.8, 0.8, "keep the steps before it,\nresample from there", "model", w=2.8)
+    f = _box(ax, 10.6, 0.8, "none: accept", "out", w=1.6)
+    _arrow(ax, (d[0] + 1.05, d[1]), (k[0] - 1.15, k[1]))
+    _arrow(ax, (k[0] + 1.15, k[1]), (r[0] - 1.45, r[1]), "step k")
+    ax.annotate("", xy=(k[0], k[1] - 0.45), xytext=(r[0], r[1] - 0.45),
+                arrowprops=dict(arrowstyle="->", color="#5f6368",
+                                connectionstyle="arc3,rad=-0.3"))
+    ax.text(6.2, -0.05, "next round (up to a limit)", ha="center", fontsize=8)
+    ax.annotate("", xy=(f[0], f[1] + 0.45), xytext=(k[0] + 0.6, k[1] + 0.45),
+                arrowprops=dict(arrowstyle="->", color="#5f6368",
+                                connectionstyle="arc3,rad=-0.25"))
+    _save(fig, out_dir / "ch05_best_of_n_and_refinement.png")
+
+
+def distillation_diagram(out_dir):
+    """Chapter 9: rejection sampling and SFT."""
+    fig, ax = _canvas(9.6, 2.6)
+    t = _box(ax, 1.3, 2.2, "teacher\n(e.g. the chapter 7\nGRPO model)", "model", w=2.2, h=1.1)
+    s = _box(ax, 4.2, 2.2, "k samples\nper training problem", "data", w=2.2)
+    v = _box(ax, 7.2, 2.2, "keep if: finished,\nboxed answer right,\nevery step right",
+             "check", w=2.4, h=1.1)
+    f = _box(ax, 10.3, 2.2, "traces (JSONL):\nprompt + completion", "data", w=2.4)
+    st = _box(ax, 10.3, 0.55, "student: SFT, loss on\ncompletion tokens only", "out", w=2.8)
+    for a, b in ((t, s), (s, v), (v, f)):
+        _arrow(ax, (a[0] + 1.15, a[1]), (b[0] - 1.25, b[1]))
+    _arrow(ax, (f[0], f[1] - 0.45), (st[0], st[1] + 0.45))
+    ax.text(7.2, 1.35, "rejected samples are dropped", ha="center", fontsize=8,
+            color="#5f6368")
+    _save(fig, out_dir / "ch09_distillation.png")
+
+
+DIAGRAMS = (model_diagram, evaluation_diagram, vote_diagram, scorer_diagram,
+            distillation_diagram)
+
+
+def main(out_dir: Path = HERE) -> None:
+    """Draw every diagram into `out_dir`."""
+    for draw in DIAGRAMS:
+        draw(out_dir)
+    print("drawn:", ", ".join(sorted(p.name for p in out_dir.glob("ch0*.png"))))
+
+
+if __name__ == "__main__":
+    main()
