@@ -35,6 +35,7 @@ from reasoning_from_scratch.experiments.grpo_variants import (
     DEFAULT_ARMS,
     run_comparison,
 )
+from reasoning_from_scratch.interrupts import exit_on_stop
 from reasoning_from_scratch.training import GRPOConfig
 from reasoning_from_scratch.validation import choice_list, seed_list
 from reasoning_from_scratch.weights import load_pretrained
@@ -90,4 +91,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_on_stop(main, sys.argv[1:])  # Ctrl-C: exit 130, SIGTERM & co.: 75

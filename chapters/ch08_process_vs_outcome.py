@@ -33,6 +33,7 @@ from reasoning_from_scratch.experiments.process_vs_outcome import (
     ExperimentSettings,
     run_experiment,
 )
+from reasoning_from_scratch.interrupts import exit_on_stop
 from reasoning_from_scratch.training import GRPOConfig
 from reasoning_from_scratch.validation import (
     choice_list,
@@ -127,4 +128,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_on_stop(main, sys.argv[1:])  # Ctrl-C: exit 130, SIGTERM & co.: 75

@@ -22,6 +22,7 @@ import torch
 
 from reasoning_from_scratch.device import device_arg, get_device
 from reasoning_from_scratch.distributed import refuse_multiple_processes
+from reasoning_from_scratch.interrupts import exit_on_stop
 from reasoning_from_scratch.prm import CONFIG_FILE as PRM_CONFIG_FILE
 from reasoning_from_scratch.prm import train_prm_on_arithmetic
 from reasoning_from_scratch.validation import non_negative_int, positive_float, positive_int
@@ -84,4 +85,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_on_stop(main, sys.argv[1:])  # Ctrl-C: exit 130, SIGTERM & co.: 75

@@ -33,6 +33,7 @@ from reasoning_from_scratch.experiments.distill_vs_rl import (
     EXPERIMENT_DEFAULTS,
     run_distill_vs_rl,
 )
+from reasoning_from_scratch.interrupts import exit_on_stop
 from reasoning_from_scratch.training import DEFAULT_TRAIN_LEVEL_WEIGHTS
 from reasoning_from_scratch.validation import choice_list, positive_int, seed_list
 from reasoning_from_scratch.weights import load_pretrained
@@ -102,4 +103,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_on_stop(main, sys.argv[1:])  # Ctrl-C: exit 130, SIGTERM & co.: 75

@@ -9,6 +9,14 @@ crash leaves the previous checkpoint or the new one, never half of one.
 A run directory holds a run's checkpoints next to its logs; `find_checkpoint` picks the latest
 *intact* one (a truncated file or NaN weights make a checkpoint unusable, and resuming falls back
 to the one before, saying so), and `check_new_run_dir` keeps a new run from overwriting an old.
+A run killed before its first checkpoint is started over in place (`find_checkpoint_or_restart`).
+
+Checkpoint policy (`CheckpointPolicy`): besides final/ and the one a stop writes, a run saves
+`checkpoint-<k>` every N updates and/or every M minutes of wall time, and keeps only the latest
+K of them, so an uncatchable kill (SIGKILL, the OOM killer, a power cut) loses at most M
+minutes and the disk holds at most K + 1 copies of the model and its optimizer state. A write
+that fails (a full disk) raises `CheckpointWriteError`, naming the path and the free space; the
+half-written directory is removed and the checkpoints before it stay whole.
 """
 
 from __future__ import annotations
@@ -17,12 +25,13 @@ import json
 import random
 import re
 import shutil
+import time
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 import torch
 
-from .files import atomic_save_safetensors, atomic_write_json, read_json
+from .files import atomic_save_safetensors, atomic_write_json, free_space, read_json
 from .weights import load_hf_state_dict, non_finite_tensors, read_safetensors, save_pretrained
 
 STATE_FILE = "trainer_state.json"
@@ -87,23 +96,36 @@ def _restore_rng(tensors):
 # Save, verify, find, load
 # ----------------------------------------------------------------------------------------------
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a failing device); the previous
+    checkpoints are untouched."""
+
+
 def save_checkpoint(out_dir, model, tokenizer, optimizer, step, config, extra=None) -> Path:
     """Write a resumable checkpoint directory atomically (temp dir, then rename).
 
     `step` is the number of optimizer updates the weights contain; `config` a dataclass or dict
-    saved in trainer_state.json with `extra`.
+    saved in trainer_state.json with `extra`. A failed write raises CheckpointWriteError after
+    removing the temp dir (giving its space back); an existing `out_dir` survives it.
     """
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, tokenizer, tmp)  # HF layout: load_pretrained(out_dir) works
-    tensors, structure = _optimizer_to_flat(optimizer)
-    atomic_save_safetensors(tensors, tmp / "optimizer.safetensors")
-    atomic_save_safetensors(_rng_tensors(), tmp / "rng.safetensors")
-    atomic_write_json(tmp / STATE_FILE, {
-        "step": step, "config": asdict(config) if is_dataclass(config) else dict(config),
-        "optimizer": structure, **(extra or {}),
-    })
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_pretrained(model, tokenizer, tmp)  # HF layout: load_pretrained(out_dir) works
+        tensors, structure = _optimizer_to_flat(optimizer)
+        atomic_save_safetensors(tensors, tmp / "optimizer.safetensors")
+        atomic_save_safetensors(_rng_tensors(), tmp / "rng.safetensors")
+        atomic_write_json(tmp / STATE_FILE, {
+            "step": step, "config": asdict(config) if is_dataclass(config) else dict(config),
+            "optimizer": structure, **(extra or {}),
+        })
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(
+            f"could not write checkpoint {out_dir} ({err.strerror or err}; "
+            f"{free_space(out_dir.parent)}); the checkpoints before it are intact: make room, "
+            f"then continue with --resume {out_dir.parent}") from err
     if out_dir.exists():
         old = out_dir.with_name(out_dir.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -187,6 +209,19 @@ def find_checkpoint(path, log=print) -> Path:
                      f"({', '.join(p.name for p in candidates)}); start a new run")
 
 
+def find_checkpoint_or_restart(path, log=print) -> Path | None:
+    """`find_checkpoint(path)`, or None when `path` is a run directory whose run stopped before
+    its first checkpoint (config.json written, no checkpoint): resuming it means starting it
+    over in place with its saved settings, which `log` says."""
+    path = Path(path)
+    if path.is_dir() and not _candidates(path) and (path / "config.json").is_file() \
+            and not (path / STATE_FILE).exists():
+        log(f"{path} holds no checkpoint (the run stopped before its first one): starting it "
+            "over in place with its saved settings")
+        return None
+    return find_checkpoint(path, log)
+
+
 def load_checkpoint(path, model, optimizer) -> dict:
     """Load weights, optimizer and RNG states of a checkpoint in place; returns trainer_state."""
     path = find_checkpoint(path)
@@ -230,7 +265,8 @@ def check_new_run_dir(run_dir) -> None:
     if found:
         raise FileExistsError(
             f"{run_dir} already holds a run ({', '.join(found[:4])}); continue it with "
-            f"--resume {run_dir}, pass --overwrite to replace it, or choose another --output-dir")
+            f"--resume {run_dir} (from its latest checkpoint, or from the start if it has none), "
+            "pass --overwrite to replace it, or choose another --output-dir")
 
 
 def clear_run_dir(run_dir) -> None:
@@ -239,3 +275,57 @@ def clear_run_dir(run_dir) -> None:
     for name in run_contents(run_dir):
         target = run_dir / name
         shutil.rmtree(target) if target.is_dir() else target.unlink()
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint policy: when to save, how many to keep
+# ----------------------------------------------------------------------------------------------
+
+def _step_of(name: str) -> int:
+    """The step in a `checkpoint-<k>` (or `checkpoint-<k>.tmp` / `.old`) directory name."""
+    return int(name.split("-")[1].split(".")[0])
+
+
+def prune_checkpoints(run_dir, keep: int, upto: int) -> list[Path]:
+    """Remove all but the latest `keep` checkpoint-<k> of `run_dir` with k <= `upto` (0 keeps
+    all), and leftovers of interrupted writes (`.tmp` / `.old` dirs); final/ and checkpoints
+    past `upto` (a resumed run will rewrite them) stay. Returns what was removed."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    leftover = re.compile(r"checkpoint-\d+\.(tmp|old)")
+    names = [p.name for p in run_dir.iterdir() if p.is_dir()]
+    done = sorted((n for n in names if _CHECKPOINT_NAME.fullmatch(n) and _step_of(n) <= upto),
+                  key=_step_of)
+    doomed = (done[:-keep] if keep else []) + [n for n in names if leftover.fullmatch(n)]
+    for name in doomed:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    return [run_dir / n for n in doomed]
+
+
+class CheckpointPolicy:
+    """When a run saves `checkpoint-<k>` on its own (besides final/ and the checkpoint a stop
+    writes), and how many it keeps.
+
+    every_steps: after every N-th update (0: off). every_minutes: once this much wall time has
+    passed since the last checkpoint or the start (0: off), checked after each update, so a kill
+    loses at most that long plus the step (and evaluation) in progress. keep: checkpoint-<k>
+    dirs kept, the latest (0: all; `prune_checkpoints`).
+    """
+
+    def __init__(self, every_steps: int = 0, every_minutes: float = 0.0, keep: int = 0,
+                 clock=time.monotonic):
+        self.every_steps, self.every_minutes, self.keep = every_steps, every_minutes, keep
+        self.clock = clock
+        self.last_save = clock()
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is due after update `step`."""
+        by_steps = bool(self.every_steps) and step % self.every_steps == 0
+        by_time = bool(self.every_minutes) and \
+            self.clock() - self.last_save >= 60 * self.every_minutes
+        return by_steps or by_time
+
+    def saved(self) -> None:
+        """Note that a checkpoint was just written (the time interval starts again)."""
+        self.last_save = self.clock()

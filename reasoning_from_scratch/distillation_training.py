@@ -5,9 +5,10 @@ run directory like a GRPO run's: config.json, metrics.csv (one row per update: l
 rate, tokens, seconds; plus the held-out evaluation every `eval_every` updates: validation loss on
 held-back traces and greedy accuracy on the evaluation problems), metrics.png, checkpoints in
 the Hugging Face layout with optimizer and RNG state (`checkpoints.py`), final/, summary.json.
-Ctrl-C saves `checkpoint-<k>` and `resume_from` continues exactly: the batch schedule and the
-learning rate are functions of the step, so the resumed run's weights equal an uninterrupted
-run's.
+Ctrl-C or a stop signal (SIGTERM, SIGHUP, SIGUSR1; interrupts.py) saves `checkpoint-<k>`, as
+the checkpoint policy does every `checkpoint_minutes` (checkpoints.py), and `resume_from`
+continues exactly: the batch schedule and the learning rate are functions of the step, so the
+resumed run's weights equal an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -21,15 +22,23 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .checkpoints import (
+    CheckpointPolicy,
     check_new_run_dir,
     clear_run_dir,
     load_checkpoint,
+    prune_checkpoints,
     save_checkpoint,
 )
 from .distillation import traces_to_documents
 from .evaluation import EVAL_FIGURES, evaluate_policy
 from .files import atomic_write_json
-from .interrupts import defer_interrupts
+from .interrupts import (
+    DEFAULT_STOP_SIGNALS,
+    defer_interrupts,
+    stop_reason,
+    stop_signal_names,
+    stops_on_signals,
+)
 from .plotting import plot_grpo_metrics
 from .prompts import render_prompt
 from .run_log import EVAL_COLUMNS, MetricsLog, eval_cells
@@ -72,8 +81,17 @@ class DistillConfig:
                                       rule=at_least(1))
     eval_batch_size: int = option(100, "problems per evaluation batch", rule=at_least(1))
     checkpoint_every: int = option(
-        0, "save a resumable checkpoint every N updates (0: the final one only, and one on "
-        "Ctrl-C)", rule=non_negative)
+        0, "save a resumable checkpoint every N updates (0: none by updates; the final one, one "
+        "on Ctrl-C or a stop signal and checkpoint-minutes' still)", rule=non_negative)
+    checkpoint_minutes: float = option(
+        10.0, "save a resumable checkpoint once this many minutes of wall time passed since the "
+        "last one (0: off)", rule=non_negative)
+    keep_checkpoints: int = option(
+        2, "checkpoint-<step> directories kept, the latest (0: all); final/ is always kept",
+        rule=non_negative)
+    stop_signals: str = option(
+        DEFAULT_STOP_SIGNALS, "signals that save a checkpoint and stop the run like Ctrl-C, "
+        "exit status 75 (comma-separated; 'none': only Ctrl-C)", rule=stop_signal_names)
     seed: int = option(0, "seed of the teacher sampling, the trace split and the batch order",
                        rule=non_negative)
     output_dir: str = option(
@@ -116,17 +134,24 @@ class _DistillRun:
         self.completed, self.eval_pending, self.train_seconds = 0, False, 0.0
         self.base = self.last_eval = None
         self.tick = time.time()
+        self.policy = CheckpointPolicy(config.checkpoint_every, config.checkpoint_minutes,
+                                       config.keep_checkpoints)
 
     def checkpoint(self, name=None):
-        """Save `checkpoint-<completed>` (or `name`) with the run's bookkeeping."""
-        return save_checkpoint(
+        """Save `checkpoint-<completed>` (or `name`) with the run's bookkeeping; prune the old
+        ones (`CheckpointPolicy`)."""
+        path = save_checkpoint(
             self.out / (name or f"checkpoint-{self.completed}"), self.model, self.tokenizer,
             self.optimizer, self.completed, self.config,
             {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
              "train_seconds": self.train_seconds, "output_dir": str(self.out)},
         )
+        self.policy.saved()
+        prune_checkpoints(self.out, self.policy.keep, self.completed)
+        return path
 
 
+@stops_on_signals
 def train_distillation(student, tokenizer, records, eval_examples, device, config: DistillConfig,
                        resume_from=None, overwrite=False, base_evaluation: dict | None = None,
                        prompt_fn=render_prompt,
@@ -195,7 +220,7 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
     def after_update(k):
         if run.eval_pending:
             evaluate_into_row()
-        if config.checkpoint_every and k % config.checkpoint_every == 0:
+        if run.policy.due(k):
             with defer_interrupts():
                 hook("checkpoint", k)
                 run.checkpoint()
@@ -226,10 +251,10 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
             atomic_write_json(out / "summary.json", summary)
             plot_grpo_metrics(out / "metrics.csv", DISTILL_PLOT_COLUMNS,
                               save_as=out / "metrics.png")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal (SIGTERM, ...)
         with defer_interrupts():
             path = run.checkpoint()
-        tqdm.write(f"interrupted: {path} holds {run.completed} update(s); continue with "
+        tqdm.write(f"{stop_reason(stop)}: {path} holds {run.completed} update(s); continue with "
                    f"--resume {out}")
         raise
     return summary

@@ -7,10 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 PathLike = str | Path
@@ -56,10 +59,18 @@ def atomic_write_json(path: PathLike, obj) -> None:
 
 
 def atomic_save_safetensors(tensors: dict, path: PathLike, metadata: dict | None = None):
-    """Save CPU-contiguous copies of `tensors` as a safetensors file, atomically."""
+    """Save CPU-contiguous copies of `tensors` as a safetensors file, atomically. A failed write
+    (a full disk) raises OSError, as Python's own writes do, not safetensors' SafetensorError."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt", **(metadata or {})})
+        try:
+            save_file(tensors, str(tmp), metadata={"format": "pt", **(metadata or {})})
+        except SafetensorError as err:  # e.g. "I/O error: No space left on device (os error 28)"
+            code = re.search(r"os error (\d+)", str(err))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))),
+                          str(path)) from err
 
 
 def read_json(path: str | Path) -> dict:
@@ -76,3 +87,19 @@ def read_json(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object at the top level")
     return data
+
+
+def free_space(path: PathLike) -> str:
+    """The free space on the filesystem holding `path` (or its nearest existing parent),
+    e.g. "1.2 GB free on /scratch" ("free space unknown" if it cannot be read)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return "free space unknown"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if free >= size:
+            return f"{free / size:.1f} {unit} free on {path}"
+    return f"{free} bytes free on {path}"

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from .arithmetic import make_split
 from .files import atomic_save_safetensors, atomic_write_json, read_json
-from .interrupts import defer_interrupts
+from .interrupts import defer_interrupts, stop_signals_raise
 from .process import split_steps, step_texts, token_step_owners
 from .prompts import render_prompt
 from .qwen3 import Qwen3Config, Qwen3Model
@@ -431,9 +431,10 @@ def train_prm_on_arithmetic(policy, tokenizer, out_dir, labels: str = "verifier"
     before = evaluate_prm(prm, tokenizer, eval_records)
     t1 = time.time()
     try:
-        losses = train_prm(prm, tokenizer, train_records, epochs=epochs, lr=lr,
-                           batch_size=batch_size, seed=seed,
-                           log_every=max(1, len(train_records) // batch_size))
+        with stop_signals_raise():  # SIGTERM, SIGHUP, SIGUSR1 save as Ctrl-C does
+            losses = train_prm(prm, tokenizer, train_records, epochs=epochs, lr=lr,
+                               batch_size=batch_size, seed=seed,
+                               log_every=max(1, len(train_records) // batch_size))
     except KeyboardInterrupt:  # keep what was trained: a loadable PRM, marked as unfinished
         with defer_interrupts():
             save_prm(prm, tokenizer, out / "interrupted")

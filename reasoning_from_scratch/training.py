@@ -8,9 +8,11 @@ lives in `config.output_dir`: metrics.csv (one row per step), samples.jsonl, che
 evaluation) and metrics.png. The command-line front end is training_cli.py.
 
 Interrupts lose nothing: the update, its metrics row and a checkpoint write are critical
-sections (interrupts.py), and Ctrl-C at any other moment saves `checkpoint-<k>` holding exactly
-k updates, plus whether step k's evaluation was still to run; `resume_from` then continues to
-the same weights and metrics as an uninterrupted run.
+sections (interrupts.py), and Ctrl-C or a stop signal (SIGTERM, SIGHUP, SIGUSR1:
+`stop_signals`) at any other moment saves `checkpoint-<k>` holding exactly k updates, plus
+whether step k's evaluation was still to run; `resume_from` then continues to the same weights
+and metrics as an uninterrupted run. Checkpoints are also saved every `checkpoint_minutes` (and
+`checkpoint_every` steps), the latest `keep_checkpoints` kept, for the kills no process can catch.
 
 Data-parallel runs (`torchrun --nproc-per-node N`, distributed.py) run this same code in every
 process. A step's prompts are split between the processes, whole groups each; every prompt
@@ -40,10 +42,12 @@ import torch
 from tqdm import tqdm
 
 from .checkpoints import (
+    CheckpointPolicy,
     check_new_run_dir,
     clear_run_dir,
     load_checkpoint,
     load_weights_into,
+    prune_checkpoints,
     save_checkpoint,
 )
 from .distributed import (
@@ -77,7 +81,14 @@ from .grpo import (
     concat_rollout_batches,
     grpo_loss_on_batch,
 )
-from .interrupts import defer_interrupts, record_interrupts
+from .interrupts import (
+    DEFAULT_STOP_SIGNALS,
+    defer_interrupts,
+    interrupt_exception,
+    record_interrupts,
+    stop_reason,
+    stop_signal_names,
+)
 from .plotting import plot_grpo_metrics
 from .process import VARIANTS
 from .process_supervision import make_process_advantage_fn
@@ -256,8 +267,20 @@ class GRPOConfig:
         "append the step's completions to samples.jsonl every N steps (0: never)",
         rule=non_negative)
     checkpoint_every: int = option(0,
-        "save a resumable checkpoint every N steps (0: only the final one)",
+        "save a resumable checkpoint every N steps (0: none by steps)",
         rule=non_negative)
+    checkpoint_minutes: float = option(10.0,
+        "save a resumable checkpoint once this many minutes of wall time passed since the last "
+        "one (0: off): a kill that no handler can catch (SIGKILL, out of memory, power loss) "
+        "loses at most this long",
+        rule=non_negative)
+    keep_checkpoints: int = option(2,
+        "checkpoint-<step> directories kept, the latest (0: all); final/ is always kept",
+        rule=non_negative)
+    stop_signals: str = option(DEFAULT_STOP_SIGNALS,
+        "signals that save a checkpoint and stop the run like Ctrl-C, exit status 75 "
+        "(comma-separated; 'none': only Ctrl-C)",
+        rule=stop_signal_names)
     seed: int = option(123, "random seed (prompt order, rollout sampling)", rule=non_negative)
     output_dir: str = option("runs/grpo",
         "run directory for metrics, samples, checkpoints, summary and plot")
@@ -480,6 +503,8 @@ class _Run:
         self.saved = None  # (completed, eval_pending) of the last checkpoint written
         self.bad_steps = 0  # consecutive steps with a non-finite loss or gradient
         self.log = None  # rank 0's MetricsLog (`open_logs`)
+        self.policy = CheckpointPolicy(config.checkpoint_every, config.checkpoint_minutes,
+                                       config.keep_checkpoints)
 
     def open_logs(self, columns, resumed):
         """Rank 0 opens metrics.csv and samples.jsonl (dropping rows after a resumed step) and,
@@ -512,20 +537,29 @@ class _Run:
 
     def checkpoint(self, name=None):
         """Save `checkpoint-<completed>` (or `name`), unless this exact state is saved already;
-        rank 0 writes it, the other processes only note it as saved."""
+        rank 0 writes it (and prunes the old ones, `CheckpointPolicy`), the other processes only
+        note it as saved, or raise rank 0's error (a full disk)."""
         key = (name, self.completed, self.eval_pending)
         path = self.out / (name or f"checkpoint-{self.completed}")
         if key == self.saved:
             return path
-        if self.main:
-            save_checkpoint(
-                path, self.model, self.tokenizer, self.optimizer, self.completed, self.config,
-                {"base": self.base, "last_eval": self.last_eval,
-                 "eval_pending": self.eval_pending, "output_dir": str(self.out),
-                 "world_size": world_size()},
-            )
+        run_on_main(self._save, path)
+        self.policy.saved()
         self.saved = key
         return path
+
+    def checkpoint_due(self):
+        """Whether the checkpoint policy asks for one now (the same answer on every process)."""
+        return any_rank(self.policy.due(self.completed))
+
+    def _save(self, path):
+        """`checkpoint` on rank 0."""
+        save_checkpoint(
+            path, self.model, self.tokenizer, self.optimizer, self.completed, self.config,
+            {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
+             "output_dir": str(self.out), "world_size": world_size()},
+        )
+        prune_checkpoints(self.out, self.policy.keep, self.completed)
 
 
 def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: GRPOConfig,
@@ -539,7 +573,8 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     advantage_fn: token-level advantages for config.supervision == "process" (see
     `grpo.collect_rollouts`). resume_from: a checkpoint dir or a run dir (its latest intact
     checkpoint) to continue exactly where it stopped. A new run refuses an output_dir that holds
-    a run unless `overwrite`. Ctrl-C saves a checkpoint before re-raising. base_evaluation: the
+    a run unless `overwrite`. Ctrl-C (KeyboardInterrupt) and the stop signals (StopSignal, a
+    KeyboardInterrupt) save a checkpoint before re-raising. base_evaluation: the
     starting model's `evaluate_policy` figures on `eval_examples`, if already known (experiments
     that train one base model many times evaluate it once).
     phase_hook(phase, step): called as each phase starts ("base_eval", "rollouts", "update",
@@ -597,8 +632,9 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     bar = tqdm(total=config.steps, initial=run.completed, desc="grpo",
                disable=not config.progress)
     # Several processes stop only where all of them check (`_stop_if_interrupted`); one
-    # process stops at once (record_interrupts is then off and Ctrl-C raises where it lands).
-    with record_interrupts(enabled=world > 1) as interrupted:
+    # process stops at once (record_interrupts then only makes the stop signals raise
+    # StopSignal, and Ctrl-C or any of them raises where it lands).
+    with record_interrupts(enabled=world > 1, signals=config.stop_signals) as interrupted:
         try:
             if run.base is None:
                 hook("base_eval", 0)
@@ -628,16 +664,16 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                 if run.eval_pending:
                     _stop_if_interrupted(interrupted)
                     _evaluate_step(run, evaluate_now, hook)
-                if config.checkpoint_every and run.completed % config.checkpoint_every == 0:
+                if run.checkpoint_due():
                     with defer_interrupts():
                         hook("checkpoint", run.completed)
                         run.checkpoint()
             bar.close()
             final, summary = _finish(run, evaluate_now, interrupted, hook, len(eval_set),
                                      t_start)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal (SIGTERM, ...)
             bar.close()
-            _save_interrupted(run)
+            _save_interrupted(run, stop)
             raise
     barrier()  # every file is written when any process returns
     _print(config, f"held-out before: {_eval_line(run.base)}\nheld-out after:  "
@@ -664,12 +700,13 @@ def _finish(run, evaluate_now, interrupted, hook, eval_examples, t_start):
     return final, summary
 
 
-def _save_interrupted(run):
-    """Ctrl-C: checkpoint the completed updates and say how to continue (every process)."""
+def _save_interrupted(run, stop):
+    """Ctrl-C or a stop signal: checkpoint the completed updates and say how to continue (every
+    process)."""
     with defer_interrupts():
         path = run.checkpoint()
     if run.main:  # printed even without progress output
-        tqdm.write(f"interrupted: {path} holds {run.completed} update(s); continue "
+        tqdm.write(f"{stop_reason(stop)}: {path} holds {run.completed} update(s); continue "
                    f"with --resume {run.out}")
     barrier()  # no process exits (and makes torchrun stop the others) before the save
 
@@ -716,10 +753,12 @@ def _write_summary(out, summary):
 
 
 def _stop_if_interrupted(interrupted):
-    """Raise KeyboardInterrupt on every process if Ctrl-C reached any of them: every process
-    passes these points in the same order, so they all stop at the same one."""
-    if any_rank(interrupted.received):
-        raise KeyboardInterrupt
+    """Raise KeyboardInterrupt (StopSignal for SIGTERM & co.) on every process if Ctrl-C or a
+    stop signal reached any of them: every process passes these points in the same order, so
+    they all stop at the same one."""
+    signum = int(all_reduce_max([interrupted.signum])[0])
+    if signum:
+        raise interrupt_exception(signum)
 
 
 def _evaluate_step(run, evaluate_now, hook):

@@ -4,6 +4,7 @@ the distillation run (Ctrl-C and resume) and its command line (tiny random model
 import json
 import os
 import runpy
+import shutil
 import signal
 from pathlib import Path
 
@@ -335,22 +336,25 @@ def test_distillation_run_writes_its_files_and_changes_the_weights(straight_dist
     assert any(not torch.equal(start[k], weights[k]) for k in start)
 
 
-def _kill_at(phase, step):
+def _kill_at(phase, step, sig=signal.SIGINT):
     def hook(p, s):
         if (p, s) == (phase, step):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), sig)
     return hook
 
 
-@pytest.mark.parametrize("phase,step,holds", [("base_eval", 0, 0), ("update", 3, 3),
-                                              ("eval", 2, 2), ("checkpoint", 2, 2),
-                                              ("final_eval", 4, 4)])
-def test_distillation_ctrl_c_then_resume_equals_the_uninterrupted_run(
-        straight_distill, tiny_dir, tmp_path, phase, step, holds):
+@pytest.mark.parametrize("phase,step,holds,sig", [
+    ("base_eval", 0, 0, signal.SIGINT), ("update", 3, 3, signal.SIGINT),
+    ("eval", 2, 2, signal.SIGINT), ("checkpoint", 2, 2, signal.SIGINT),
+    ("final_eval", 4, 4, signal.SIGINT), ("update", 3, 3, signal.SIGTERM),
+    ("eval", 2, 2, signal.SIGTERM), ("checkpoint", 2, 2, signal.SIGUSR1)])
+def test_distillation_ctrl_c_or_stop_signal_then_resume_equals_the_uninterrupted_run(
+        straight_distill, tiny_dir, tmp_path, phase, step, holds, sig):
     out = tmp_path / "run"
     config = _distill_config(out)
-    with pytest.raises(KeyboardInterrupt):
-        _distill(tiny_dir, config, hook=_kill_at(phase, step))
+    with pytest.raises(KeyboardInterrupt) as stop:
+        _distill(tiny_dir, config, hook=_kill_at(phase, step, sig))
+    assert getattr(stop.value, "signum", signal.SIGINT) == sig
     ckpt = out / f"checkpoint-{holds}"
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == holds
     _distill(tiny_dir, config, resume_from=out)
@@ -393,6 +397,21 @@ def test_ch09_tiny_run_with_given_traces_and_teacher(tiny_dir, tmp_path):
     assert saved["traces"]["kept"] == len(TRACES)  # all of them verify
     assert read_traces(out / "traces.jsonl") == read_traces(traces)
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_ch09_resume_of_a_run_without_a_checkpoint_starts_it_over(tiny_dir, tmp_path, capsys):
+    traces = write_traces(TRACES, tmp_path / "traces.jsonl")
+    out = tmp_path / "run"
+    _ch09_main()(["--teacher", str(tiny_dir), "--student", str(tiny_dir), "--traces",
+                  str(traces), "--output-dir", str(out), *CLI_FLAGS])
+    first = read_metrics(out / "metrics.csv")
+    shutil.rmtree(out / "final")  # as if killed before its first checkpoint
+    capsys.readouterr()
+    _ch09_main()(["--resume", str(out), "--threads", "1"])
+    assert "holds no checkpoint (the run stopped before its first one)" in capsys.readouterr().out
+    again = read_metrics(out / "metrics.csv")
+    assert [{k: v for k, v in r.items() if k not in ("step_s", "train_s")} for r in again] == \
+        [{k: v for k, v in r.items() if k not in ("step_s", "train_s")} for r in first]
 
 
 def test_ch09_samples_the_teacher_and_resumes(tiny_dir, tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,9 @@ REWARD_COLUMNS = ("reward_mean", "reward_std", "correct_mean", "format_mean", "z
 # Each torchrun worker runs the chapter script under an audit hook that records every file it
 # creates, writes, renames or removes under the run directory (including safetensors' and
 # matplotlib's, which go through mkstemp / open / os.replace), one log per rank. INTERRUPT_AT
-# "rank,phase,step" sends that rank alone a real SIGINT when the phase starts.
+# "rank,phase,step" sends that rank alone a real SIGINT when the phase starts. STOP_AT
+# "rank,phase,step,file": when the phase starts, that rank creates the file and waits until a
+# stop signal reaches it (the test sends torchrun SIGTERM, which torchrun passes on).
 WORKER = r'''
 import os, runpy, signal, sys
 log_pattern, watched, script, *flags = sys.argv[1:]
@@ -85,26 +88,63 @@ if os.environ.get("INTERRUPT_AT"):
                     os.kill(os.getpid(), signal.SIGINT)
             return real(*args, phase_hook=hook, **kwargs)
         training_cli.train_grpo = hooked
+if os.environ.get("STOP_AT"):
+    import time
+    who, phase, step, reached = os.environ["STOP_AT"].split(",")
+    got, real_signal = [], signal.signal
+
+    def observed(signum, handler):  # note every stop signal that arrives
+        if callable(handler) and signum != signal.SIGINT:
+            inner = handler
+            def handler(s, f):
+                got.append(s)
+                return inner(s, f)
+        return real_signal(signum, handler)
+    signal.signal = observed
+    if os.environ["RANK"] == who:
+        from reasoning_from_scratch.cli import train as training_cli
+        real_stop = training_cli.train_grpo
+
+        def waiting(*args, **kwargs):
+            def hook(p, s):
+                if (p, s) == (phase, int(step)):
+                    open(reached, "w").close()
+                    deadline = time.time() + 60
+                    while not got and time.time() < deadline:
+                        time.sleep(0.01)
+            return real_stop(*args, phase_hook=hook, **kwargs)
+        training_cli.train_grpo = waiting
 sys.argv = [script, *flags]
 runpy.run_path(script, run_name="__main__")
 '''
 
 
-def _torchrun(tmp, out, flags, interrupt_at=None, processes=2):
+def _torchrun(tmp, out, flags, interrupt_at=None, processes=2, sigterm_at=None):
     """`torchrun --standalone --nproc-per-node N ch07_train.py flags` (audited); returns the
-    finished process and the files each rank wrote {rank: [lines]}."""
+    finished process and the files each rank wrote {rank: [lines]}. sigterm_at "rank,phase,step":
+    torchrun gets SIGTERM once that rank reaches that phase."""
     worker = tmp / "worker.py"
     worker.write_text(WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("INTERRUPT_AT", None)
+    env.pop("STOP_AT", None)
     if interrupt_at:
         env["INTERRUPT_AT"] = interrupt_at
+    reached = tmp / f"reached-{out.name}"
+    if sigterm_at:
+        env["STOP_AT"] = f"{sigterm_at},{reached}"
     logs = str(tmp / f"writes-{out.name}-%s.txt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(processes), str(worker), logs, str(out),
            str(ROOT / "chapters" / "ch07_train.py"), *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + TIMEOUT_S
+    while sigterm_at and not reached.exists() and proc.poll() is None \
+            and time.time() < deadline:
+        time.sleep(0.02)
+    if sigterm_at and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # as a scheduler stops a job: torchrun passes it on
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:  # ranks waiting for each other: a failure, not a hang
@@ -211,6 +251,25 @@ def test_ctrl_c_on_one_rank_stops_all_with_a_checkpoint_that_resumes(
         assert _max_diff(w, w_straight) < 1e-4
         assert [{c: r[c] for c in REWARD_COLUMNS} for r in rows] == \
             [{c: r[c] for c in REWARD_COLUMNS} for r in rows_straight]
+
+
+def test_sigterm_to_torchrun_stops_every_rank_with_a_checkpoint_that_resumes(runs):
+    tmp = runs["tmp"]
+    out = tmp / "sigterm"
+    # rank 1 waits at the start of step 2's rollouts; rank 0 is then inside them (waiting for
+    # rank 1): both stop where they next agree, after the rollouts, before the update
+    proc, writes = _torchrun(tmp, out, ["--output-dir", str(out), *FLAGS],
+                             sigterm_at="1,rollouts,2")
+    assert proc.returncode != 0  # torchrun reports the signal it got; its workers exit 75
+    assert f"stopped by SIGTERM: {out / 'checkpoint-1'} holds 1 update(s)" in proc.stdout, \
+        proc.stderr[-3000:]
+    assert json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())["step"] == 1
+    assert writes[1] == []
+    proc, _ = _torchrun(tmp, out, ["--resume", str(out), "--no-progress", "--threads", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    w, w_straight = _weights(out), _weights(runs["two"])
+    assert all(torch.equal(w[k], w_straight[k]) for k in w)
+    assert _rows(out) == _rows(runs["two"])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,11 +1,14 @@
 """Tests for prm.py: step encoding, BCE training above chance, save/load, datasets, the scorer."""
 
+import os
 import random
+import signal
 
 import pytest
 import torch
 
 from reasoning_from_scratch.arithmetic import format_solution, make_split
+from reasoning_from_scratch.interrupts import StopSignal
 from reasoning_from_scratch.prm import (
     PRMStepScorer,
     ProcessRewardModel,
@@ -167,7 +170,8 @@ def test_ch08_train_prm_script_smoke(tokenizer, tmp_path):
 
 def test_ch08_train_prm_refuses_reuse_and_keeps_an_interrupted_prm(tokenizer, tmp_path,
                                                                    monkeypatch, capsys):
-    """A second run into the same --output-dir is refused; Ctrl-C mid-training saves a PRM."""
+    """A second run into the same --output-dir is refused; a stop signal (SIGTERM, handled as
+    Ctrl-C) mid-training saves a PRM."""
     from reasoning_from_scratch import prm as prm_module
     from reasoning_from_scratch.weights import save_pretrained
 
@@ -183,11 +187,11 @@ def test_ch08_train_prm_refuses_reuse_and_keeps_an_interrupted_prm(tokenizer, tm
     def interrupted(prm, *args, **kwargs):
         calls.append(1)
         with torch.no_grad():
-            prm.score_head.weight.add_(1.0)  # "trained" a little, then Ctrl-C
-        raise KeyboardInterrupt
+            prm.score_head.weight.add_(1.0)  # "trained" a little, then the scheduler stops it
+        os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(prm_module, "train_prm", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(StopSignal):
         script.main(flags)
     saved, _ = load_prm(tmp_path / "prm" / "interrupted", device="cpu")
     assert calls and isinstance(saved, ProcessRewardModel)

@@ -1,5 +1,7 @@
-"""Runs that lose nothing: Ctrl-C at every phase, moved runs, reused directories, bad flags,
-the NaN guard and corrupt checkpoints (tiny random model, CPU)."""
+"""Runs that lose nothing: Ctrl-C and the stop signals (SIGTERM, SIGHUP, SIGUSR1) at every
+phase, a second signal while saving, a checkpoint write that fails (full disk), moved runs,
+reused directories, bad flags, the NaN guard and corrupt checkpoints (tiny random model, CPU).
+Signals sent from outside the process, torchrun's SIGTERM and SIGKILL: test_preemption.py."""
 
 import importlib.util
 import json
@@ -12,9 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from reasoning_from_scratch import training
-from reasoning_from_scratch.checkpoints import checkpoint_problem, find_checkpoint
-from reasoning_from_scratch.interrupts import defer_interrupts
+from reasoning_from_scratch import checkpoints, training
+from reasoning_from_scratch.checkpoints import (
+    CheckpointWriteError,
+    checkpoint_problem,
+    find_checkpoint,
+)
+from reasoning_from_scratch.interrupts import StopSignal, defer_interrupts
 from reasoning_from_scratch.run_log import read_metrics
 from reasoning_from_scratch.training import TIMING_COLUMNS, GRPOConfig, train_grpo
 from reasoning_from_scratch.weights import load_pretrained, save_pretrained
@@ -58,25 +64,33 @@ def straight(tiny_dir, tmp_path_factory, even_reward):
     return _outcome(out)
 
 
-def interrupt_at(phase, step):
-    """A phase hook that sends this process a real SIGINT (Ctrl-C) when `phase` of `step` starts."""
+def interrupt_at(phase, step, sig=signal.SIGINT):
+    """A phase hook that sends this process a real signal (SIGINT: Ctrl-C) when `phase` of
+    `step` starts."""
     def hook(p, s):
         if (p, s) == (phase, step):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), sig)
     return hook
 
 
 # phase, step at which Ctrl-C arrives -> updates the checkpoint must hold
 PHASES = [("base_eval", 0, 0), ("rollouts", 3, 2), ("update", 2, 2), ("eval", 2, 2),
           ("checkpoint", 2, 2), ("update", 4, 4), ("final_eval", 4, 4), ("final_save", 4, 4)]
+# Ctrl-C and SIGTERM at every phase, SIGHUP and SIGUSR1 (SLURM's warning) at two
+SIGNAL_CASES = [(sig, *case) for sig in (signal.SIGINT, signal.SIGTERM) for case in PHASES] + [
+    (signal.SIGHUP, "update", 2, 2), (signal.SIGUSR1, "rollouts", 3, 2)]
 
 
-@pytest.mark.parametrize("phase,step,holds", PHASES)
-def test_ctrl_c_at_any_phase_then_resume_equals_the_uninterrupted_run(
-        tiny_dir, tmp_path, even_reward, straight, phase, step, holds):
+@pytest.mark.parametrize("sig,phase,step,holds", SIGNAL_CASES,
+                         ids=[f"{c[0].name}-{c[1]}-{c[2]}" for c in SIGNAL_CASES])
+def test_a_signal_at_any_phase_then_resume_equals_the_uninterrupted_run(
+        tiny_dir, tmp_path, even_reward, straight, sig, phase, step, holds):
     out = tmp_path / "run"
-    with pytest.raises(KeyboardInterrupt):
-        _train(tiny_dir, _config(out), even_reward, hook=interrupt_at(phase, step))
+    with pytest.raises(KeyboardInterrupt) as stop:
+        _train(tiny_dir, _config(out), even_reward, hook=interrupt_at(phase, step, sig))
+    assert isinstance(stop.value, StopSignal) == (sig != signal.SIGINT)
+    assert getattr(stop.value, "signum", signal.SIGINT) == sig
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
     ckpt = find_checkpoint(out)
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["step"] == holds  # labelled with the updates its weights contain
@@ -89,6 +103,53 @@ def test_ctrl_c_at_any_phase_then_resume_equals_the_uninterrupted_run(
     assert samples2 == samples
     assert summary2 == summary
     assert all(torch.equal(weights[k], weights2[k]) for k in weights)
+
+
+def test_a_second_signal_while_saving_leaves_a_whole_checkpoint(tiny_dir, tmp_path,
+                                                               even_reward, monkeypatch):
+    real, calls = checkpoints.save_checkpoint, []
+
+    def save_under_fire(*args, **kwargs):  # SIGTERM again, then Ctrl-C, during the stop's save
+        calls.append(args[0])
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training, "save_checkpoint", save_under_fire)
+    out = tmp_path / "run"
+    with pytest.raises(StopSignal):
+        _train(tiny_dir, _config(out, checkpoint_every=0), even_reward,
+               hook=interrupt_at("rollouts", 3, signal.SIGTERM))
+    assert calls == [out / "checkpoint-2"]  # saved once, to the end
+    assert checkpoint_problem(out / "checkpoint-2") is None
+    assert not list(out.glob("*.tmp")) and not list(out.glob("*.old"))
+
+
+def test_a_failed_checkpoint_write_keeps_the_previous_one_and_resumes_exactly(
+        tiny_dir, tmp_path, even_reward, straight, monkeypatch):
+    real = checkpoints.save_pretrained
+
+    def disk_full(model, tokenizer, out_dir):  # half a file, then ENOSPC
+        if Path(out_dir).name == "checkpoint-4.tmp":
+            Path(out_dir).mkdir(parents=True)
+            (Path(out_dir) / "model.safetensors").write_bytes(b"\0" * 1000)
+            raise OSError(28, "No space left on device")
+        return real(model, tokenizer, out_dir)
+
+    monkeypatch.setattr(checkpoints, "save_pretrained", disk_full)
+    out = tmp_path / "run"
+    with pytest.raises(CheckpointWriteError) as err:
+        _train(tiny_dir, _config(out), even_reward)
+    message = str(err.value)
+    assert str(out / "checkpoint-4") in message and "No space left on device" in message
+    assert " free on " in message and f"--resume {out}" in message
+    assert not (out / "checkpoint-4.tmp").exists()  # the half-written copy is gone
+    assert find_checkpoint(out).name == "checkpoint-2"
+    monkeypatch.setattr(checkpoints, "save_pretrained", real)
+    _train(tiny_dir, _config(out), even_reward, resume_from=out)
+    rows, weights, samples, summary = _outcome(out)
+    assert rows == straight[0] and samples == straight[2] and summary == straight[3]
+    assert all(torch.equal(weights[k], straight[1][k]) for k in weights)
 
 
 def test_deferred_interrupt_raises_after_the_block():

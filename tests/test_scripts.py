@@ -240,6 +240,20 @@ def test_ch05_best_of_n_tiny_run(tmp_path):
         main(["--beam-ns", "6", "--output-dir", str(tmp_path / "x")])
 
 
+def test_bench_checkpoint_tiny_run():
+    main = _script_main("benchmarks/bench_checkpoint.py", "bench_checkpoint")
+    threads = torch.get_num_threads()
+    try:
+        out = main(["--repeats", "1", "--run-steps", "1", "--prompts-per-step", "2",
+                    "--max-new-tokens", "4"])
+    finally:
+        torch.set_num_threads(threads)
+    (tiny,) = out["saves"]
+    assert tiny["size"] == "tiny" and tiny["checkpoint_s"] > 0
+    assert tiny["checkpoint_bytes"] > 3 * 4 * tiny["params"] * 0.99  # weights + 2 AdamW moments
+    assert out["run"]["off_s_per_step"] > 0 and out["run"]["every_step_s_per_step"] > 0
+
+
 def test_bench_inference_scaling_tiny_run():
     main = _script_main("benchmarks/bench_inference_scaling.py", "bench_inference_scaling")
     threads = torch.get_num_threads()

@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from ..checkpoints import (
+    CheckpointWriteError,
     check_new_run_dir,
     checkpoint_problem,
-    find_checkpoint,
+    find_checkpoint_or_restart,
     read_trainer_state,
     run_contents,
     run_dir_of,
@@ -42,6 +43,7 @@ from ..distillation_training import (
 from ..distributed import refuse_multiple_processes
 from ..evaluation import evaluate_policy
 from ..files import atomic_write_json, read_json
+from ..interrupts import exit_status
 from ..training import GRPOConfig
 from ..validation import arg_type, non_negative_float, positive_int, probability_float
 from ..weights import load_pretrained
@@ -101,7 +103,7 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
     for f in fields(DistillConfig):
         if f.name in ("progress", "output_dir"):
             continue
-        kind = float if isinstance(getattr(defaults, f.name), float) else int
+        kind = type(getattr(defaults, f.name))  # int, float or str
         p.add_argument("--" + f.name.replace("_", "-"), type=arg_type(kind, DISTILL_RULES[f.name]),
                        default=getattr(defaults, f.name), help=DISTILL_HELP[f.name])
     p.add_argument("--output-dir", default=None, help=DISTILL_HELP["output_dir"])
@@ -155,9 +157,10 @@ def _resolve(parser, args, argv):
         if args.device:
             check_device(args.device)
         if args.resume:
-            ckpt = find_checkpoint(args.resume)
-            run_dir = run_dir_of(ckpt)
-            saved = read_trainer_state(ckpt)["config"]
+            ckpt = find_checkpoint_or_restart(args.resume)
+            run_dir = run_dir_of(ckpt) if ckpt else Path(args.resume).resolve()
+            saved = read_trainer_state(ckpt)["config"] if ckpt else \
+                read_json(run_dir / "config.json")  # no checkpoint: start over in place
             steps_given = any(a == "--steps" or a.startswith("--steps=") for a in argv or [])
             values = {**saved, "steps": args.steps if steps_given else saved["steps"],
                       "progress": args.progress, "output_dir": str(run_dir)}
@@ -226,7 +229,9 @@ def parse_distill_args(argv, description: str) -> DistillRun:
     parser = build_distill_parser(description)
     args = parser.parse_args(argv)
     config, data, ckpt = _resolve(parser, args, argv)
-    return DistillRun(config, data, ckpt, args.device, args.threads, args.dtype, args.overwrite)
+    restart = bool(args.resume) and ckpt is None  # no checkpoint yet: the run starts over
+    return DistillRun(config, data, ckpt, args.device, args.threads, args.dtype,
+                      args.overwrite or restart)
 
 
 def run_distill_cli(argv, description: str) -> dict:
@@ -271,8 +276,10 @@ def run_distillation(run: DistillRun) -> dict:
     try:
         summary = train_distillation(student, student_tok, records, held_out, device, config,
                                      resume_from=ckpt, overwrite=run.overwrite)
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal: the checkpoint is saved
+        raise SystemExit(exit_status(stop)) from None
+    except CheckpointWriteError as err:  # a full disk: one line, no traceback
+        raise SystemExit(f"error: {err}") from None
     # wall_seconds: this command's, teacher sampling included (train_distillation's own
     # summary times the SFT run alone; it stays as sft_wall_seconds)
     summary = {"student_base_accuracy": summary["base_accuracy"],

@@ -3,8 +3,12 @@ resume, and `run_cli` (parse, check, load model and data, `train_grpo`).
 
 Every bad value is refused by argparse before anything is written (one line, exit status 2):
 numbers outside their range (the rules live next to GRPOConfig), a device this torch cannot
-use, a new run pointed at a directory that holds one, a resume of a run without an intact
-checkpoint.
+use, a new run pointed at a directory that holds one, a resume of a run whose checkpoints are
+all unusable (a run that stopped before its first checkpoint starts over in place).
+
+Exit status: 0 done; 130 after Ctrl-C and 75 after a stop signal (SIGTERM, SIGHUP, SIGUSR1), a
+checkpoint saved in both cases (interrupts.py); 1 with one line when a checkpoint could not be
+written (a full disk: the line names the path and the free space); 2 for bad flags.
 
 Started by `torchrun --nproc-per-node N`, the same script trains data-parallel (distributed.py,
 `training.train_grpo`): every process parses the same flags, joins the process group, loads
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -24,7 +29,13 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoints import check_new_run_dir, find_checkpoint, read_trainer_state, run_dir_of
+from ..checkpoints import (
+    CheckpointWriteError,
+    check_new_run_dir,
+    find_checkpoint_or_restart,
+    read_trainer_state,
+    run_dir_of,
+)
 from ..datasets import DATASET_NAMES, load_dataset_by_name
 from ..device import check_device, device_arg, get_device
 from ..distributed import (
@@ -35,7 +46,8 @@ from ..distributed import (
     shutdown_distributed,
     world_size,
 )
-from ..files import atomic_write_json
+from ..files import atomic_write_json, read_json
+from ..interrupts import exit_status
 from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
 from ..validation import arg_type, at_least, optional_positive_int
 from ..weights import load_pretrained
@@ -62,7 +74,7 @@ def add_config_arguments(parser, defaults: GRPOConfig, helps: dict | None = None
             continue
         kind = OPTIONAL_TYPES.get(f.name, type(default))
         value_type = kind
-        if kind in (int, float):
+        if kind in (int, float) or f.metadata["rule"] is not None:
             value_type = arg_type(kind, f.metadata["rule"], f.name in OPTIONAL_TYPES)
         parser.add_argument(flag, type=value_type, default=default, choices=CHOICES.get(f.name),
                             help=helps[f.name])
@@ -170,20 +182,22 @@ def resolve_run(parser, args, argv, run_prefix):
         if args.device:
             check_device(args.device)
         if args.resume:  # the run's own settings, except flags given explicitly now
-            ckpt = find_checkpoint(args.resume)
-            run_dir = run_dir_of(ckpt)
+            ckpt = find_checkpoint_or_restart(args.resume, log=_print_on_rank_0)
+            run_dir = run_dir_of(ckpt) if ckpt else Path(args.resume).resolve()
             if args.output_dir and Path(args.output_dir).resolve() != run_dir:
                 parser.error(f"--resume continues in the run's own directory {run_dir}; "
                              "leave out --output-dir")
-            saved = read_trainer_state(ckpt)["config"]
+            saved = read_trainer_state(ckpt)["config"] if ckpt else \
+                read_json(run_dir / "config.json")  # no checkpoint: start over in place
             values = {**saved, **{k: v for k, v in values.items() if k in explicit},
                       "output_dir": str(run_dir)}
             if (run_dir / "data.json").is_file():
                 data = {**json.loads((run_dir / "data.json").read_text()),
                         **{k: v for k, v in data.items() if k in explicit}}
-            source = ckpt
+            source = ckpt or (args.model if "model" in explicit else data.get("model", args.model))
         else:
             ckpt, source = None, args.model
+            data["model"] = args.model  # in data.json: a run restarted from scratch reloads it
             values["output_dir"] = args.output_dir or time.strftime(
                 f"runs/{run_prefix}-%Y%m%d-%H%M%S")
             if not args.overwrite:
@@ -220,8 +234,9 @@ def parse_train_args(argv, description, defaults: GRPOConfig, run_prefix) -> Tra
     parser = build_parser(description, defaults, run_prefix)
     args = parser.parse_args(argv)
     config, data, source, ckpt = resolve_run(parser, args, argv, run_prefix)
+    restart = bool(args.resume) and ckpt is None  # no checkpoint yet: the run starts over
     return TrainRun(config, data, source, ckpt, args.device, args.threads, args.dtype,
-                    args.overwrite)
+                    args.overwrite or restart)
 
 
 def run_training(run: TrainRun):
@@ -261,11 +276,21 @@ def _train(run: TrainRun, device):
     try:
         summary = train_grpo(model, tokenizer, train, held_out, device, config,
                              resume_from=run.checkpoint, overwrite=run.overwrite)
-    except KeyboardInterrupt:  # the checkpoint is saved and the way on printed: no traceback
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as stop:  # the checkpoint is saved and the way on printed
+        raise SystemExit(exit_status(stop)) from None
+    except CheckpointWriteError as err:  # a full disk: one line, no traceback
+        if is_main():
+            print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     if is_main():
         print(json.dumps(summary, indent=2))
     return summary
+
+
+def _print_on_rank_0(message):
+    """Print once under torchrun (before the process group exists; RANK says who is who)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message)
 
 
 def _explicit_flags(argv):

@@ -77,7 +77,8 @@ ARMS = {
 }
 DEFAULT_ARMS = ",".join(a for a in ARMS if a != "dynamic")
 # what a run's settings may differ in without changing its result
-COSMETIC = ("output_dir", "progress", "eval_batch_size")
+COSMETIC = ("output_dir", "progress", "eval_batch_size", "checkpoint_minutes",
+            "keep_checkpoints", "stop_signals")
 
 
 def _run_config(arm, seed, shared: dict, run_dir) -> GRPOConfig:

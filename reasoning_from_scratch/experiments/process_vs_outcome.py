@@ -108,7 +108,8 @@ PER_RUN = {"seed": "--seeds sets each run's seed", "supervision": "each arm sets
            "step_scorer": "each arm sets it", "eval_every": "see --eval-points",
            "checkpoint_every": "see --eval-points"}
 # Fields that do not change what a run learns or how it is scored (ignored when reusing runs).
-COSMETIC = ("output_dir", "progress", "eval_batch_size", "sample_every")
+COSMETIC = ("output_dir", "progress", "eval_batch_size", "sample_every", "checkpoint_minutes",
+            "keep_checkpoints", "stop_signals")
 PROCESS_FIELDS = ("step_scorer", "process_variant", "step_split", "mc_rollouts")
 
 
@@ -145,7 +146,8 @@ def _run_config(arm, seed, values, args, prm_path, run_dir):
     """The GRPOConfig of one run: the shared values plus the arm's supervision."""
     spec, variant = ARMS[arm]
     d = {**values, "seed": seed, "output_dir": str(run_dir), "eval_every": 0,
-         "checkpoint_every": max(1, values["steps"] // args.eval_points)}
+         "checkpoint_every": max(1, values["steps"] // args.eval_points),
+         "keep_checkpoints": 0}  # every evaluation point's checkpoint is evaluated afterwards
     if spec is None:
         d["supervision"] = "outcome"
     else:
