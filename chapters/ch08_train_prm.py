@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from reasoning_from_scratch.cli.train import add_report_argument, check_report_backends
 from reasoning_from_scratch.device import device_arg, get_device
 from reasoning_from_scratch.distributed import refuse_multiple_processes
 from reasoning_from_scratch.interrupts import exit_on_stop
@@ -59,6 +60,7 @@ def build_parser():
                         "PRM already, unless --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a PRM already saved in --output-dir")
+    add_report_argument(p)
     return p
 
 
@@ -71,6 +73,7 @@ def main(argv=None):
     if (Path(out) / PRM_CONFIG_FILE).exists() and not args.overwrite:
         parser.error(f"{out} already holds a PRM; pass --overwrite to replace it, or choose "
                      "another --output-dir")
+    check_report_backends(parser, args.report_to)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = get_device(args.device)
@@ -81,7 +84,7 @@ def main(argv=None):
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         mc_rollouts=args.mc_rollouts, epochs=args.epochs, lr=args.lr,
         batch_size=args.batch_size, seed=args.seed, device=device,
-        info={"model": args.model})
+        info={"model": args.model}, report_to=args.report_to)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ STATE_FILE = "trainer_state.json"
 _CHECKPOINT_NAME = re.compile(r"checkpoint-\d+")  # not checkpoint-3.tmp / .old leftovers
 # What a run writes into its directory; a new run refuses a directory holding any of these.
 RUN_FILES = ("config.json", "metrics.csv", "samples.jsonl", "summary.json", "metrics.png",
-             "final", "reference")
+             "final", "reference", "tensorboard", "wandb")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 `train_distillation` is `sft.train_sft` (the loop that also pretrained the bundled model) inside a
 run directory like a GRPO run's: config.json, metrics.csv (one row per update: loss, learning
 rate, tokens, seconds; plus the held-out evaluation every `eval_every` updates: validation loss on
-held-back traces and greedy accuracy on the evaluation problems), metrics.png, checkpoints in
-the Hugging Face layout with optimizer and RNG state (`checkpoints.py`), final/, summary.json.
+held-back traces and greedy accuracy on the evaluation problems), metrics.png (redrawn at
+every evaluation; rows and evaluations also go to TensorBoard / W&B with `report_to`,
+tracking.py), checkpoints in the Hugging Face layout with optimizer and RNG state
+(`checkpoints.py`), final/, summary.json.
 Ctrl-C or a stop signal (SIGTERM, SIGHUP, SIGUSR1; interrupts.py) saves `checkpoint-<k>`, as
 the checkpoint policy does every `checkpoint_minutes` (checkpoints.py), and `resume_from`
 continues exactly: the batch schedule and the learning rate are functions of the step, so the
@@ -43,6 +45,7 @@ from .plotting import plot_grpo_metrics
 from .prompts import render_prompt
 from .run_log import EVAL_COLUMNS, MetricsLog, eval_cells
 from .sft import make_sft_optimizer, mean_completion_loss, train_sft
+from .tracking import open_tracker, report_problem, report_targets
 from .validation import at_least, check_fields, in_range, non_negative, option, positive
 
 DISTILL_COLUMNS = ["step", "loss", "lr", "tokens", "step_s", "train_s", "val_loss",
@@ -92,6 +95,11 @@ class DistillConfig:
     stop_signals: str = option(
         DEFAULT_STOP_SIGNALS, "signals that save a checkpoint and stop the run like Ctrl-C, "
         "exit status 75 (comma-separated; 'none': only Ctrl-C)", rule=stop_signal_names)
+    report_to: tuple[str, ...] = option(
+        (), "watch the run live: log metrics and evaluations to tensorboard (<run>/tensorboard) "
+        "and/or wandb (<run>/wandb, offline without an account); several comma-separated "
+        "(tensorboard,wandb); none: off",
+        rule=report_problem)
     seed: int = option(0, "seed of the teacher sampling, the trace split and the batch order",
                        rule=non_negative)
     output_dir: str = option(
@@ -101,6 +109,7 @@ class DistillConfig:
 
     def __post_init__(self):
         check_fields(self)
+        self.report_to = report_targets(self.report_to)  # "none", names or a list -> a tuple
 
     @classmethod
     def from_dict(cls, d: dict) -> DistillConfig:
@@ -200,6 +209,8 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
                      keep_upto=run.completed if resume_from is not None else None)
     if resume_from is None:
         atomic_write_json(out / "config.json", asdict(config))
+    tracker = open_tracker(config.report_to, out, asdict(config),
+                           resume_step=run.completed if resume_from is not None else None)
 
     def evaluate_into_row():
         hook("eval", run.completed)
@@ -207,12 +218,16 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
         with defer_interrupts():
             run.last_eval, run.eval_pending = figures, False
             log.patch_last_row(eval_cells(figures, DISTILL_EVAL_COLUMNS))
+        tracker.log_eval(eval_cells(figures, DISTILL_EVAL_COLUMNS), run.completed)
+        plot_grpo_metrics(out / "metrics.csv", DISTILL_PLOT_COLUMNS, save_as=out / "metrics.png")
 
     def on_update(k, stats):
         hook("update", k)
         now = time.time()
         run.train_seconds += now - run.tick
-        log.append({"step": k, **stats, "step_s": now - run.tick, "train_s": run.train_seconds})
+        row = {"step": k, **stats, "step_s": now - run.tick, "train_s": run.train_seconds}
+        log.append(row)
+        tracker.log_row(row)
         run.completed = k
         run.eval_pending = bool(config.eval_every and k % config.eval_every == 0
                                 and k < config.steps)
@@ -230,6 +245,7 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
         if run.base is None:
             hook("base_eval", 0)
             run.base = run.last_eval = evaluate_now()
+            tracker.log_eval(eval_cells(run.base, DISTILL_EVAL_COLUMNS), 0)
         if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
             evaluate_into_row()
         run.tick = time.time()
@@ -245,15 +261,18 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
             hook("final_save", run.completed)
             run.last_eval = final
             log.patch_last_row(eval_cells(final, DISTILL_EVAL_COLUMNS))
+            tracker.log_eval(eval_cells(final, DISTILL_EVAL_COLUMNS), run.completed)
             run.checkpoint("final")
             summary = _summary(run, final, len(train_recs), len(val_recs), len(eval_set),
                                time.time() - t_start)
             atomic_write_json(out / "summary.json", summary)
             plot_grpo_metrics(out / "metrics.csv", DISTILL_PLOT_COLUMNS,
                               save_as=out / "metrics.png")
+            tracker.close()
     except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal (SIGTERM, ...)
         with defer_interrupts():
             path = run.checkpoint()
+        tracker.close()
         tqdm.write(f"{stop_reason(stop)}: {path} holds {run.completed} update(s); continue with "
                    f"--resume {out}")
         raise

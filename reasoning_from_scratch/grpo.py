@@ -678,6 +678,7 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
             for i in keep]).to(device)
     if advantage_fn is not None:
         adv = advantage_fn([groups[i] for i in keep], advantages[keep], completion_mask)  # (B, Tc)
+        _add_step_scores(samples, keep, num_rollouts, getattr(advantage_fn, "last_infos", None))
         if skip_zero_advantage:  # drop groups whose token advantages are all exactly zero
             G = num_rollouts
             signal = adv.reshape(len(keep), G, -1).abs().sum(dim=(1, 2)) > 0  # (N,)
@@ -695,6 +696,17 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
     return RolloutBatch(input_ids, attention_mask, prompt_len, completion_mask,
                         adv.to(device), rewards, samples, zero.float().mean().item(), num_tokens,
                         sampler_logp)
+
+
+def _add_step_scores(samples, keep, num_rollouts, infos):
+    """Each completion's steps and their scores into its sample (samples.jsonl, the trackers),
+    when the advantage function reports them (`ProcessAdvantageFn.last_infos`, one per kept
+    group)."""
+    for i, info in zip(keep, infos or []):
+        for g in range(num_rollouts):
+            samples[i * num_rollouts + g].update(
+                steps=list(info["steps"][g]),
+                step_rewards=[float(r) for r in info["step_rewards"][g]])
 
 
 def concat_rollout_batches(batches: list[RolloutBatch], pad_id=0) -> RolloutBatch:

@@ -1,4 +1,6 @@
-"""Plots of GRPO training metrics: raw and smoothed curves, evaluation accuracy as bars.
+"""Plots of training metrics: one run's raw and smoothed curves with evaluation accuracy as bars
+(`plot_grpo_metrics`, a run's metrics.png), and several runs on shared axes, seeds of one
+setting as mean ± sd (`plot_runs`, chapters/compare_runs.py).
 
 The evaluation bars start with the model before training at step 0 (from `base`, or from the
 run's summary.json), so a gain is read against where the run started.
@@ -12,10 +14,14 @@ from __future__ import annotations
 import csv
 import json
 import math
+import statistics
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from .files import atomic_path
+from .run_log import read_metrics, seed_groups
 
 BAR_COLUMNS = ("eval_accuracy", "eval_format_rate", "eval_think_accuracy",
                "eval_step_correctness")  # measured only at eval steps
@@ -123,6 +129,77 @@ def plot_grpo_metrics(csv_path, columns, save_as=None, base=None):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     if save_as is not None:
-        Path(save_as).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(save_as, dpi=100)
+        save_figure(fig, save_as)
+    return fig
+
+
+def save_figure(fig, path, dpi=100):
+    """Write `fig` to `path` atomically (redrawn during a run, it is never seen half-written);
+    the format follows the suffix (PNG without one)."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format=Path(path).suffix.lstrip(".") or "png")
+
+
+def _run_curve(rows, column, smooth):
+    """(steps, values) of one run's column, missing cells left out, optionally smoothed."""
+    points = [(r["step"], r[column]) for r in rows if r.get(column) is not None]
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    return xs, (moving_average(ys, smooth) if smooth and ys else ys)
+
+
+def _mean_sd_curve(curves):
+    """(steps, means, sds) over the runs that have a value at each step."""
+    at = {}
+    for xs, ys in curves:
+        for x, y in zip(xs, ys):
+            at.setdefault(x, []).append(y)
+    steps = sorted(at)
+    means = [statistics.fmean(at[x]) for x in steps]
+    sds = [statistics.stdev(at[x]) if len(at[x]) > 1 else 0.0 for x in steps]
+    return steps, means, sds
+
+
+def plot_runs(run_dirs, columns, group_seeds=True, smooth=0.0, save_as=None):
+    """Several runs' metrics.csv columns on shared axes, one panel per column, one line per run.
+
+    With `group_seeds`, runs whose config.json differ only in the seed (`run_log.seed_groups`)
+    are one line, their mean at each step, with a band of ± one sample sd. smooth: the
+    `moving_average` window as a fraction of a run's points (0: raw). Evaluation columns,
+    sparse, are drawn with markers. Returns the Figure; writes it to `save_as` when given.
+    """
+    columns = list(columns)
+    if not columns or not run_dirs:
+        raise ValueError("plot_runs: needs at least one run directory and one column")
+    groups = seed_groups(run_dirs) if group_seeds else [(Path(d).name, [Path(d)])
+                                                        for d in run_dirs]
+    rows = {}
+    for _, dirs in groups:
+        for d in dirs:
+            rows[d] = read_metrics(Path(d) / "metrics.csv")
+            have = set(rows[d][0]) if rows[d] else set()
+            if missing := [c for c in columns if c not in have]:
+                raise ValueError(f"{Path(d) / 'metrics.csv'}: no column(s) {missing}; has "
+                                 f"{sorted(have)}")
+    ncols = min(2, len(columns))
+    nrows = math.ceil(len(columns) / ncols)
+    fig = Figure(figsize=(6 * ncols, 3.2 * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    for i, col in enumerate(columns):
+        ax = fig.add_subplot(nrows, ncols, i + 1)
+        marker = "o" if col in BAR_COLUMNS else None
+        for k, (label, dirs) in enumerate(groups):
+            color = f"C{k % 10}"
+            steps, means, sds = _mean_sd_curve([_run_curve(rows[d], col, smooth) for d in dirs])
+            ax.plot(steps, means, color=color, marker=marker, markersize=3, label=label)
+            if len(dirs) > 1:
+                ax.fill_between(steps, [m - s for m, s in zip(means, sds)],
+                                [m + s for m, s in zip(means, sds)], color=color, alpha=0.2,
+                                linewidth=0)
+        ax.set_title(col + (" (mean ± sd over seeds)" if any(len(d) > 1 for _, d in groups)
+                            else ""))
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    if save_as is not None:
+        save_figure(fig, save_as)
     return fig

@@ -46,6 +46,7 @@ from .step_scorers import (
     sample_continuations,
 )
 from .tokenizer import pad_id_of
+from .tracking import RunTracker, open_tracker
 from .weights import load_pretrained, read_safetensors, save_pretrained
 
 HEAD_FILE = "prm_head.safetensors"
@@ -221,11 +222,13 @@ def evaluate_prm(prm: ProcessRewardModel, tokenizer, records, threshold: float =
 
 def train_prm(prm: ProcessRewardModel, tokenizer, records, epochs: int = 3, lr: float = 3e-4,
               batch_size: int = 16, weight_decay: float = 0.0, pos_weight: float | None = None,
-              seed: int = 0, log_every: int = 0, max_grad_norm: float = 1.0) -> list[float]:
+              seed: int = 0, log_every: int = 0, max_grad_norm: float = 1.0,
+              tracker: RunTracker | None = None) -> list[float]:
     """Train `prm` with BCE on stepwise records (AdamW, shuffled mini-batches); returns losses.
 
     `pos_weight` (as in `F.binary_cross_entropy_with_logits`) up-weights correct steps when they
-    are rare; the default leaves the classes as they come.
+    are rare; the default leaves the classes as they come. tracker: gets every update's loss
+    (`tracking.RunTracker.log_row`).
     """
     for i, r in enumerate(records):
         _check_record(i, r)
@@ -236,7 +239,7 @@ def train_prm(prm: ProcessRewardModel, tokenizer, records, epochs: int = 3, lr: 
     losses = []
     prm.train()
     step = 0
-    for _epoch in range(epochs):
+    for epoch in range(epochs):
         rng.shuffle(order)
         for b in range(0, len(order), batch_size):
             batch = [records[i] for i in order[b : b + batch_size]]
@@ -247,6 +250,8 @@ def train_prm(prm: ProcessRewardModel, tokenizer, records, epochs: int = 3, lr: 
             opt.step()
             losses.append(loss.item())
             step += 1
+            if tracker is not None:
+                tracker.log_row({"step": step, "loss": losses[-1], "epoch": epoch + 1})
             if log_every and step % log_every == 0:
                 print(f"prm step {step}: loss {sum(losses[-log_every:]) / log_every:.4f}")
     prm.eval()
@@ -369,7 +374,7 @@ def train_prm_on_arithmetic(policy, tokenizer, out_dir, labels: str = "verifier"
                             samples: int = 4, max_new_tokens: int = 112,
                             temperature: float = 1.0, mc_rollouts: int = 4, epochs: int = 4,
                             lr: float = 1e-3, batch_size: int = 16, seed: int = 0, device=None,
-                            info: dict | None = None, log=print) -> dict:
+                            info: dict | None = None, log=print, report_to=()) -> dict:
     """Train a PRM on the arithmetic world from `policy`'s own completions; returns the report.
 
     Samples `samples` completions per problem from `policy` for `train_problems` train-split
@@ -381,7 +386,8 @@ def train_prm_on_arithmetic(policy, tokenizer, out_dir, labels: str = "verifier"
     `out_dir` (`save_prm`) with prm_report.json: settings, data sizes, generated tokens, step
     accuracy on train and held-out steps before/after training (with the majority baseline),
     seconds. `info` entries (e.g. the model name) are added to the report. Seeds torch's global
-    RNG with `seed` (the head's initialisation).
+    RNG with `seed` (the head's initialisation). report_to: live logging of the training loss
+    and the held-out step accuracies before and after (`tracking.open_tracker`, into out_dir).
     """
 
     if labels not in ("verifier", "mc"):
@@ -429,22 +435,28 @@ def train_prm_on_arithmetic(policy, tokenizer, out_dir, labels: str = "verifier"
 
     prm = ProcessRewardModel.from_pretrained_backbone(policy).to(device or policy.device)
     before = evaluate_prm(prm, tokenizer, eval_records)
+    tracker = open_tracker(report_to, out, settings)
+    tracker.log_eval(before, 0)
     t1 = time.time()
     try:
         with stop_signals_raise():  # SIGTERM, SIGHUP, SIGUSR1 save as Ctrl-C does
             losses = train_prm(prm, tokenizer, train_records, epochs=epochs, lr=lr,
                                batch_size=batch_size, seed=seed,
-                               log_every=max(1, len(train_records) // batch_size))
+                               log_every=max(1, len(train_records) // batch_size),
+                               tracker=tracker)
     except KeyboardInterrupt:  # keep what was trained: a loadable PRM, marked as unfinished
         with defer_interrupts():
             save_prm(prm, tokenizer, out / "interrupted")
             atomic_write_json(out / "interrupted" / "prm_report.json",
                               {**report, "interrupted": True})
+        tracker.close()
         log(f"interrupted: the partly trained PRM is in {out / 'interrupted'} (rerun to finish; "
             "the data are regenerated identically from the seed)")
         raise
     train_seconds = time.time() - t1
     held_out = evaluate_prm(prm, tokenizer, eval_records)
+    tracker.log_eval(held_out, len(losses))
+    tracker.close()
     report.update({
         "train_completions": len(train_records), "train_steps": n_steps,
         "train_positive_rate": pos, "held_out_completions": len(eval_records),

@@ -1,4 +1,5 @@
-"""A training run's logs: metrics.csv (one row per optimizer step) and samples.jsonl.
+"""A training run's logs: metrics.csv (one row per optimizer step) and samples.jsonl; runs that
+are seeds of one setting, found by their config.json (`seed_groups`).
 
 Both are kept consistent with the run's checkpoints: on resume from the checkpoint after step k,
 rows and samples of later steps (written before the interruption) are dropped, so a resumed run's
@@ -12,7 +13,10 @@ import io
 import json
 from pathlib import Path
 
-from .files import atomic_write_text
+from .files import atomic_write_text, read_json
+
+# config.json keys that do not make runs different settings: seeds of one setting differ in these
+NOT_SETTINGS = ("seed", "output_dir", "progress", "report_to", "world_size")
 
 # evaluation figure -> metrics.csv column (filled at evaluation steps only; GRPO and distillation)
 EVAL_COLUMNS = {"accuracy": "eval_accuracy", "format_rate": "eval_format_rate",
@@ -85,3 +89,36 @@ def truncate_samples(path, last_step: int):
     path = Path(path)
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
     atomic_write_text(path, "".join(ln for ln in lines if json.loads(ln)["step"] <= last_step))
+
+
+def seed_groups(run_dirs) -> list[tuple[str, list[Path]]]:
+    """Run directories grouped by their setting: runs whose config.json agree on everything but
+    `NOT_SETTINGS` (the seed, where they are written) form one group, in order of appearance.
+    A run without config.json is a group of its own. Labels: a lone run's directory name; with
+    several settings, what differs between them ("lr=0.0001, beta=0.05", at most three keys);
+    "(N seeds)" is added where a group holds N > 1 runs."""
+    dirs = [Path(d) for d in run_dirs]
+    for d in dirs:
+        if not (d / "metrics.csv").is_file():
+            raise FileNotFoundError(f"{d / 'metrics.csv'} not found: {d} is not a training run "
+                                    "directory")
+    settings = {d: ({k: v for k, v in read_json(d / "config.json").items()
+                     if k not in NOT_SETTINGS} if (d / "config.json").is_file() else None)
+                for d in dirs}
+    groups: list[list[Path]] = []
+    for d in dirs:
+        same = [g for g in groups if settings[d] is not None and settings[g[0]] == settings[d]]
+        if same:
+            same[0].append(d)
+        else:
+            groups.append([d])
+    known = [settings[g[0]] for g in groups if settings[g[0]] is not None]
+    varying = sorted({k for s in known for k in s if any(t.get(k) != s.get(k) for t in known)})
+    out = []
+    for g in groups:
+        s = settings[g[0]]
+        label = g[0].name
+        if s is not None and len(groups) > 1 and 0 < len(varying) <= 3:
+            label = ", ".join(f"{k}={s.get(k)}" for k in varying)
+        out.append((label + (f" ({len(g)} seeds)" if len(g) > 1 else ""), g))
+    return out

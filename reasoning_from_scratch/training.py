@@ -5,7 +5,9 @@ prefill per prompt), score them, turn rewards into group-relative advantages, th
 `inner_epochs` AdamW updates on the clipped GRPO loss of that batch. Everything a run produces
 lives in `config.output_dir`: metrics.csv (one row per step), samples.jsonl, checkpoints
 (`checkpoint-<step>/`, see checkpoints.py), final/, summary.json (incl. the base model's
-evaluation) and metrics.png. The command-line front end is training_cli.py.
+evaluation) and metrics.png (redrawn at every evaluation). With `report_to` the same rows,
+evaluations and samples also go to TensorBoard and/or W&B as they are written (tracking.py).
+The command-line front end is cli/train.py.
 
 Interrupts lose nothing: the update, its metrics row and a checkpoint write are critical
 sections (interrupts.py), and Ctrl-C or a stop signal (SIGTERM, SIGHUP, SIGUSR1:
@@ -96,6 +98,7 @@ from .prompts import render_prompt
 from .rewards import build_reward
 from .run_log import MetricsLog, append_samples, eval_cells, truncate_samples
 from .tokenizer import pad_id_of
+from .tracking import RunTracker, open_tracker, report_problem, report_targets
 from .validation import (
     at_least,
     check_fields,
@@ -277,6 +280,11 @@ class GRPOConfig:
     checkpoint_every: int = option(0,
         "save a resumable checkpoint every N steps (0: none by steps)",
         rule=non_negative)
+    report_to: tuple[str, ...] = option((),
+        "watch the run live: log metrics, evaluations, reward histograms and sampled completions "
+        "to tensorboard (<run>/tensorboard) and/or wandb (<run>/wandb, offline without an "
+        "account); several comma-separated (tensorboard,wandb); none: off",
+        rule=report_problem)
     checkpoint_minutes: float = option(10.0,
         "save a resumable checkpoint once this many minutes of wall time passed since the last "
         "one (0: off): a kill that no handler can catch (SIGKILL, out of memory, power loss) "
@@ -296,6 +304,7 @@ class GRPOConfig:
 
     def __post_init__(self):
         check_fields(self)
+        self.report_to = report_targets(self.report_to)  # "none", names or a list -> a tuple
 
     @property
     def eval_tokens(self) -> int:
@@ -511,6 +520,7 @@ class _Run:
         self.saved = None  # (completed, eval_pending) of the last checkpoint written
         self.bad_steps = 0  # consecutive steps with a non-finite loss or gradient
         self.log = None  # rank 0's MetricsLog (`open_logs`)
+        self.tracker = RunTracker()  # rank 0's live reporting (`open_logs`); others: nothing
         self.policy = CheckpointPolicy(config.checkpoint_every, config.checkpoint_minutes,
                                        config.keep_checkpoints)
 
@@ -528,6 +538,8 @@ class _Run:
         if not resumed:
             atomic_write_json(self.out / "config.json",
                               {**asdict(self.config), "world_size": world_size()})
+        self.tracker = open_tracker(self.config.report_to, self.out, asdict(self.config),
+                                    resume_step=self.completed if resumed else None)
 
     def log_step(self, row, samples):
         """Rank 0: a step's metrics row, and its completions every `sample_every` steps."""
@@ -535,13 +547,25 @@ class _Run:
             return
         self.log.append(row)
         every = self.config.sample_every
-        if every and row["step"] % every == 0:
+        sampled = bool(every and row["step"] % every == 0)
+        if sampled:
             append_samples(self.out / "samples.jsonl", row["step"], samples)
+        self.tracker.log_row(row)
+        self.tracker.log_rollouts(row["step"], samples, with_text=sampled)
 
     def log_eval(self, figures):
-        """Rank 0: an evaluation's figures into the last metrics row."""
+        """Rank 0: an evaluation's figures into the last metrics row (the base model's, before
+        any row, to the trackers alone, at step 0)."""
         if self.main:
-            self.log.patch_last_row(eval_cells(figures))
+            if self.completed:
+                self.log.patch_last_row(eval_cells(figures))
+            self.tracker.log_eval(eval_cells(figures), self.completed)
+
+    def plot(self):
+        """Rank 0: metrics.png redrawn from metrics.csv (a run stopped early keeps its picture)."""
+        if self.main:
+            plot_grpo_metrics(self.out / "metrics.csv", PLOT_COLUMNS,
+                              save_as=self.out / "metrics.png")
 
     def checkpoint(self, name=None):
         """Save `checkpoint-<completed>` (or `name`), unless this exact state is saved already;
@@ -647,6 +671,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
             if run.base is None:
                 hook("base_eval", 0)
                 run.base = run.last_eval = evaluate_now()
+                run.log_eval(run.base)
                 _print(config, f"base model: held-out {_eval_line(run.base)} "
                                f"({len(eval_set)} examples)")
             if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
@@ -705,6 +730,7 @@ def _finish(run, evaluate_now, interrupted, hook, eval_examples, t_start):
         run.checkpoint("final")
         summary = _summary(run, final, eval_examples, time.time() - t_start)
         run_on_main(_write_summary, run.out, summary)
+        run.tracker.close()
     return final, summary
 
 
@@ -713,6 +739,7 @@ def _save_interrupted(run, stop):
     process)."""
     with defer_interrupts():
         path = run.checkpoint()
+    run.tracker.close()  # after the checkpoint: closing may take a moment
     if run.main:  # printed even without progress output
         tqdm.write(f"{stop_reason(stop)}: {path} holds {run.completed} update(s); continue "
                    f"with --resume {run.out}")
@@ -777,6 +804,7 @@ def _evaluate_step(run, evaluate_now, hook):
     with defer_interrupts():
         run.last_eval, run.eval_pending = figures, False
         run.log_eval(figures)
+    run.plot()
     _print(run.config, f"step {run.completed}: EVAL {_eval_line(figures)}")
 
 

@@ -172,10 +172,12 @@ def _rows(run_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same 3 steps by two processes (torchrun) and by one (the script, in this process)."""
+    """The same 3 steps by two processes (torchrun, reporting to TensorBoard when it is
+    installed) and by one (the script, in this process)."""
     tmp = tmp_path_factory.mktemp("ddp")
     two, one = tmp / "two", tmp / "one"
-    proc, writes = _torchrun(tmp, two, ["--output-dir", str(two), *FLAGS])
+    report = ["--report-to", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
+    proc, writes = _torchrun(tmp, two, ["--output-dir", str(two), *FLAGS, *report])
     assert proc.returncode == 0, proc.stderr[-3000:]
     spec = importlib.util.spec_from_file_location("ch07_train",
                                                   ROOT / "chapters" / "ch07_train.py")
@@ -219,6 +221,9 @@ def test_only_rank_0_writes_files(runs):
     for name in ("metrics.csv", "samples.jsonl", "summary.json", "config.json", "data.json",
                  "metrics.png", "final", "reference"):
         assert str(two / name) in written, name
+    if importlib.util.find_spec("tensorboard"):  # one event file, rank 0's
+        assert len(list((two / "tensorboard").glob("events.out.tfevents.*"))) == 1
+        assert str(two / "tensorboard") in written
     assert runs["stdout"].count('"world_size": 2') == 1  # one summary printed, by rank 0
 
 

@@ -14,9 +14,9 @@ they run, they are clean, they match the package, their text agrees with their o
 - A measured number quoted in the text (a decimal such as 0.35, a percentage, a duration in
   seconds) must be one the notebook prints (possibly rounded) or a literal of its code: text
   written before the run, or left unchanged after a re-run, contradicts the outputs.
-- Every chapter notebook ends with an "Exercises" section of 2-3 exercises (`### Exercise N.k`
-  headings) and has a solutions notebook, notebooks/solutions/chNN_solutions.ipynb, that
-  answers each of them under the same heading.
+- Every chapter notebook ends with an "Exercises" section of 2-3 exercises (headed
+  `### Exercise N.k: ...`, or paragraphs led by `**N.k ...**`) and has a solutions notebook,
+  notebooks/solutions/chNN_solutions.ipynb, that answers each under a `## N.k` heading.
 - Every image a notebook's text shows exists; the diagrams under notebooks/figures/ can be
   redrawn by notebooks/figures/ch02_ch09_diagrams.py.
 
@@ -57,6 +57,12 @@ def _name(path):
 
 def _ids(paths):
     return [_name(p) for p in paths]
+
+
+def _chapter(path):
+    """The chapter number of "chNN_....ipynb" (chapter or solutions notebook), else None."""
+    m = re.match(r"ch(\d\d)_", path.name)
+    return int(m.group(1)) if m else None
 
 
 def _read(path):
@@ -309,8 +315,11 @@ def _supported(value, decimals, percent, printed):
     return False
 
 
-def unsupported_numbers(nb):
-    """Quoted measured numbers of the markdown that no output prints and no code cell sets."""
+def unsupported_numbers(nb, chapter=None):
+    """Quoted measured numbers of the markdown that no output prints and no code cell sets.
+
+    In chapter `chapter`'s notebooks, "6.2" is exercise or section 6.2, not a measurement.
+    """
     def numbers(text):  # "-" is a sign unless a digit or letter precedes it ("20-5")
         found = re.findall(rf"(?<![\w.])-?{NUMBER}|{NUMBER}", text)
         return [(float(t), _decimals(t)) for t in found]
@@ -322,6 +331,8 @@ def unsupported_numbers(nb):
         if cell.cell_type != "markdown":
             continue
         for text, value, decimals, percent in quoted_numbers(cell.source):
+            if chapter is not None and re.fullmatch(rf"{chapter}\.\d", text):
+                continue
             if not _supported(value, decimals, percent, printed + literals):
                 problems.append(f"markdown cell {i} quotes {text!r}, which no output prints")
     return problems
@@ -329,7 +340,7 @@ def unsupported_numbers(nb):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_markdown_numbers_are_printed(path):
-    problems = unsupported_numbers(_read(path))
+    problems = unsupported_numbers(_read(path), _chapter(path))
     assert not problems, (
         f"{_name(path)}: " + "; ".join(problems)
         + " (write the text after the run, from the printed values)"
@@ -357,12 +368,15 @@ def test_number_check_flags_a_contradiction():
     assert [p.split(" quotes ")[1].split(",")[0] for p in problems] == [
         "'0.06'", "'30 s'", "'33%'", "'-0.842'"]
     assert all(p.startswith("markdown cell 2 ") for p in problems)
+    nb.cells.append(nbformat.v4.new_markdown_cell("**5.2 Ties.** As in 5.1, then 4.2."))
+    assert len(unsupported_numbers(nb, chapter=5)) == 5  # 5.1 and 5.2 are exercises, 4.2 not
 
 
 # --- every chapter ends with exercises, answered in a solutions notebook ----------------------
 
 EXERCISES_HEADING = re.compile(r"^#{1,3}\s+(?:\d+\.\s+)?Exercises\s*$", re.M)
-EXERCISE_HEADING = re.compile(r"^#{2,4}\s+Exercise\s+(\d+)\.(\d+)\b", re.M)
+# "### Exercise 4.1: ...", "## 4.1 ..." or a paragraph led by "**4.1 ...**"
+EXERCISE_HEADING = re.compile(r"^(?:#{2,4}\s+|\*\*)(?:Exercise\s+)?(\d+)\.(\d+)\b", re.M)
 SECTION_HEADING = re.compile(r"^#{1,2}\s+\S", re.M)
 
 
@@ -389,7 +403,7 @@ def exercise_problems(nb, chapter, solutions):
     wanted = [(chapter, k) for k in range(1, len(numbers) + 1)]
     if not EXERCISES[0] <= len(numbers) <= EXERCISES[1]:
         problems.append(f"{len(numbers)} exercises (want {EXERCISES[0]}-{EXERCISES[1]}, "
-                        f"headed '### Exercise {chapter}.1: ...')")
+                        f"headed '### Exercise {chapter}.1: ...' or led by '**{chapter}.1 ...**')")
     elif numbers != wanted:
         problems.append(f"exercises numbered {numbers}, want {wanted}")
     if solutions is None:
@@ -419,8 +433,13 @@ def test_exercise_check_flags_missing_exercises_and_solutions():
     solutions.cells = [md("## Exercise 4.1: more samples")]
     assert exercise_problems(nb, 4, solutions) == [
         "the solutions notebook does not answer exercises [(4, 2)]"]
-    solutions.cells.append(md("## Exercise 4.2"))
+    solutions.cells.append(md("## 4.2 Top-k"))  # the word "Exercise" is optional
     assert exercise_problems(nb, 4, solutions) == []
+    bold = nbformat.v4.new_notebook()
+    bold.cells = [md("## Summary\n\nText.\n\n## Exercises\n\n**4.1 More samples.** Try.\n\n"
+                     "**4.2 Top-k.** Try.\n\n**4.3 Ties.** Try. (Section 4.2 helps.)")]
+    assert exercise_problems(bold, 4, solutions) == [
+        "the solutions notebook does not answer exercises [(4, 3)]"]
     assert len(exercise_problems(nb, 4, None)) == 1
     nb.cells.append(md("## Summary"))
     nb.cells.insert(2, md("### Exercise 3.1: wrong chapter"))

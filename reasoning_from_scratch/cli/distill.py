@@ -47,7 +47,14 @@ from ..interrupts import exit_status
 from ..training import GRPOConfig
 from ..validation import arg_type, non_negative_float, positive_int, probability_float
 from ..weights import load_pretrained
-from .train import add_data_arguments, add_runtime_arguments, load_grpo_data, run_cli
+from .train import (
+    add_data_arguments,
+    add_report_argument,
+    add_runtime_arguments,
+    check_report_backends,
+    load_grpo_data,
+    run_cli,
+)
 
 TEACHER_RUN_DIR = "runs/ch07-teacher"
 TRACES_FILE = "traces.jsonl"
@@ -103,13 +110,16 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
     for f in fields(DistillConfig):
         if f.name in ("progress", "output_dir"):
             continue
+        if f.name == "report_to":
+            add_report_argument(p, help=DISTILL_HELP["report_to"])
+            continue
         kind = type(getattr(defaults, f.name))  # int, float or str
         p.add_argument("--" + f.name.replace("_", "-"), type=arg_type(kind, DISTILL_RULES[f.name]),
                        default=getattr(defaults, f.name), help=DISTILL_HELP[f.name])
     p.add_argument("--output-dir", default=None, help=DISTILL_HELP["output_dir"])
     p.add_argument("--resume", default=None,
                    help="run directory to continue exactly (its saved settings are used; "
-                        "--steps, --device and --threads may be given again)")
+                        "--steps, --report-to, --device and --threads may be given again)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --output-dir")
     p.add_argument("--no-progress", dest="progress", action="store_false",
@@ -162,8 +172,11 @@ def _resolve(parser, args, argv):
             saved = read_trainer_state(ckpt)["config"] if ckpt else \
                 read_json(run_dir / "config.json")  # no checkpoint: start over in place
             steps_given = any(a == "--steps" or a.startswith("--steps=") for a in argv or [])
+            report_given = any(a.startswith("--report-to") for a in argv or [])
             values = {**saved, "steps": args.steps if steps_given else saved["steps"],
-                      "progress": args.progress, "output_dir": str(run_dir)}
+                      "progress": args.progress, "output_dir": str(run_dir),
+                      "report_to": args.report_to if report_given
+                      else saved.get("report_to", ())}
             data = read_json(run_dir / "data.json")
         else:
             ckpt = None
@@ -174,7 +187,9 @@ def _resolve(parser, args, argv):
                 raise FileNotFoundError(f"--traces {args.traces}: no such file")
             if data["dataset"] != "arith":
                 data["train_level_weights"] = None
-        return DistillConfig.from_dict(values), data, ckpt
+        config = DistillConfig.from_dict(values)
+        check_report_backends(parser, config.report_to)
+        return config, data, ckpt
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         parser.error(str(err))
 

@@ -48,6 +48,7 @@ from ..distributed import (
 )
 from ..files import atomic_write_json, read_json
 from ..interrupts import exit_status
+from ..tracking import REPORT_CHOICES, missing_backend, report_targets
 from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
 from ..validation import arg_type, at_least, optional_positive_int
 from ..weights import load_pretrained
@@ -68,6 +69,9 @@ def add_config_arguments(parser, defaults: GRPOConfig, helps: dict | None = None
         if f.name == "output_dir":
             continue  # the scripts add it with a timestamped default
         flag, default = "--" + f.name.replace("_", "-"), getattr(defaults, f.name)
+        if f.name == "report_to":  # several names
+            add_report_argument(parser, default)
+            continue
         if isinstance(default, bool):
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
                                 help=helps[f.name])
@@ -78,6 +82,28 @@ def add_config_arguments(parser, defaults: GRPOConfig, helps: dict | None = None
             value_type = arg_type(kind, f.metadata["rule"], f.name in OPTIONAL_TYPES)
         parser.add_argument(flag, type=value_type, default=default, choices=CHOICES.get(f.name),
                             help=helps[f.name])
+
+
+def add_report_argument(parser, default=(), help=CONFIG_HELP["report_to"]):
+    """--report-to: the live logging backends of tracking.py, comma-separated (default none)."""
+    parser.add_argument("--report-to", type=report_arg, default=tuple(default),
+                        metavar="{" + ",".join(REPORT_CHOICES) + "}", help=help)
+
+
+def report_arg(text):
+    """argparse type: backend names, comma-separated ('none': none) -> a tuple of names."""
+    try:
+        return report_targets(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def check_report_backends(parser, names):
+    """Refuse (parser.error, one line) a backend whose package is not installed, before the
+    model loads or a file is written."""
+    for name in report_targets(names):
+        if problem := missing_backend(name):
+            parser.error(problem)
 
 
 def add_data_arguments(parser):
@@ -205,6 +231,8 @@ def resolve_run(parser, args, argv, run_prefix):
         if data["dataset"] != "arith" and "train_level_weights" not in explicit:
             data["train_level_weights"] = None  # the level mix is the arithmetic world's default
         config = GRPOConfig.from_dict(values)
+        check_report_backends(parser, config.report_to)
+        check_report_backends(parser, config.report_to)
         if env_world_size() > config.prompts_per_step:
             raise ValueError(f"{env_world_size()} processes need --prompts-per-step >= "
                              f"{env_world_size()} (whole groups per process), got "

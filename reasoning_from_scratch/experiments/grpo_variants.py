@@ -77,7 +77,7 @@ ARMS = {
 }
 DEFAULT_ARMS = ",".join(a for a in ARMS if a != "dynamic")
 # what a run's settings may differ in without changing its result
-COSMETIC = ("output_dir", "progress", "eval_batch_size", "checkpoint_minutes",
+COSMETIC = ("output_dir", "progress", "eval_batch_size", "report_to", "checkpoint_minutes",
             "keep_checkpoints", "stop_signals")
 
 

@@ -137,8 +137,8 @@ PER_RUN = {"seed": "--seeds sets each run's seed", "supervision": "each arm sets
            "step_scorer": "each arm sets it", "eval_every": "see --eval-points",
            "checkpoint_every": "see --eval-points"}
 # Fields that do not change what a run learns or how it is scored (ignored when reusing runs).
-COSMETIC = ("output_dir", "progress", "eval_batch_size", "sample_every", "checkpoint_minutes",
-            "keep_checkpoints", "stop_signals")
+COSMETIC = ("output_dir", "progress", "eval_batch_size", "report_to", "sample_every",
+            "checkpoint_minutes", "keep_checkpoints", "stop_signals")
 PROCESS_FIELDS = ("step_scorer", "process_variant", "step_split", "mc_rollouts", "process_alpha")
 
 
