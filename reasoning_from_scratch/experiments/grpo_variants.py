@@ -34,12 +34,12 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ..evaluation import evaluate_policy
 from ..files import atomic_write_json
 from ..run_log import read_metrics
 from ..training import CHAPTER6_RECIPE, GRPOConfig, train_grpo
 from .stats import (
     SETTINGS_FILE,
+    cached_base_figures,
     format_pm,
     format_value,
     jsonable,
@@ -92,20 +92,6 @@ def _run_settings(config: GRPOConfig, data: dict) -> dict:
     s = {k: v for k, v in asdict(config).items() if k not in COSMETIC}
     return json.loads(json.dumps({**s, **data}))
 
-
-def _base_figures(model, tokenizer, held_out, device, config, data, out: Path):
-    """The base model's held-out figures, evaluated once and cached in base.json."""
-    settings = {**data, "eval_examples": config.eval_examples,
-                "max_new_tokens": config.eval_max_new_tokens or config.max_new_tokens}
-    path = out / "base.json"
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        if saved.get("settings") == settings:
-            return saved["figures"]
-    figures = evaluate_policy(model, tokenizer, held_out[:config.eval_examples], device,
-                              config.eval_tokens, config.eval_batch_size)
-    atomic_write_json(path, {"settings": settings, "figures": jsonable(figures)})
-    return figures
 
 
 def _run_figures(run_dir: Path, config: GRPOConfig, summary: dict) -> dict:
@@ -224,7 +210,7 @@ def run_comparison(model, tokenizer, train, held_out, device, shared: dict, data
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = GRPOConfig.from_dict(shared)
-    base = _base_figures(model, tokenizer, held_out, device, config, data, out)
+    base = cached_base_figures(model, tokenizer, held_out, device, config, data, out)
     log(f"base model: accuracy {format_value(base['accuracy'])}, think accuracy "
         f"{format_value(base['think_accuracy'])}")
     results = {arm: {} for arm in arms}

@@ -78,6 +78,7 @@ from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
 from ..weights import load_pretrained
 from .stats import (
     SETTINGS_FILE,
+    cached_base_figures,
     format_pm,
     jsonable,
     mean_std,
@@ -295,21 +296,6 @@ def _run_one(config, settings, base_model, tokenizer, train, held_out, device, b
     atomic_write_json(run_dir / "curve.json", jsonable(curve))
     return json.loads(json.dumps(jsonable(curve)))
 
-
-def _base_figures(base_model, tokenizer, held_out, device, config, args, out):
-    """Held-out figures of the base model (step 0 of every curve), cached in base.json."""
-    settings = {"model": args.model, "eval_split": args.eval_split,
-                "eval_examples": config.eval_examples,
-                "max_new_tokens": config.eval_max_new_tokens or config.max_new_tokens}
-    path = out / "base.json"
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        if saved.get("settings") == settings:
-            return saved["figures"]
-    figures = evaluate_policy(base_model, tokenizer, held_out[:config.eval_examples], device,
-                              config.eval_tokens, config.eval_batch_size)
-    atomic_write_json(path, {"settings": settings, "figures": jsonable(figures)})
-    return figures
 
 
 def _prm_settings_differ(a, b):
@@ -658,7 +644,8 @@ def run_experiment(settings: ExperimentSettings, config: GRPOConfig, arms, seeds
     train, held_out = load_grpo_data("arith", args.train_examples, args.eval_split,
                                      config.eval_examples,
                                      args.train_level_weights)
-    base = _base_figures(base_model, tokenizer, held_out, device, config, args, out)
+    base = cached_base_figures(base_model, tokenizer, held_out, device, config,
+                               {"model": args.model, "eval_split": args.eval_split}, out)
     print("base model: " + ", ".join(f"{k} {_opt(base[k])}" for k in METRICS))
     prm_path = prm_report = None
     if any(_uses_prm(arm) for arm in arms):

@@ -10,6 +10,8 @@ import shutil
 from pathlib import Path
 
 from ..checkpoints import find_checkpoint
+from ..evaluation import evaluate_policy
+from ..files import atomic_write_json
 
 SETTINGS_FILE = "settings.json"
 
@@ -80,3 +82,19 @@ def resume_point(run_dir, settings):
         else:
             print(f"{run_dir}: resuming from {resume}")
     return resume
+
+
+def cached_base_figures(model, tokenizer, held_out, device, config, identity: dict, out: Path):
+    """The base model's held-out figures (step 0 of every curve), evaluated once per setting and
+    cached in out/base.json; `identity` names what else the figures depend on (model, split)."""
+    settings = {**identity, "eval_examples": config.eval_examples,
+                "max_new_tokens": config.eval_max_new_tokens or config.max_new_tokens}
+    path = Path(out) / "base.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("settings") == settings:
+            return saved["figures"]
+    figures = evaluate_policy(model, tokenizer, held_out[:config.eval_examples], device,
+                              config.eval_tokens, config.eval_batch_size)
+    atomic_write_json(path, {"settings": settings, "figures": jsonable(figures)})
+    return figures
