@@ -47,6 +47,10 @@ __all__ = [
     "sample_rollouts",
     "sample_rollouts_batch",
     "generate_batch",
+    "Branches",
+    "prefill_rows",
+    "gather_cache_rows",
+    "branch_continuations",
     "TextStreamer",
     "stop_token_ids",
     "chat_stop_ids",
@@ -525,6 +529,123 @@ def generate_batch(
         generator=generator,
     )
     return texts, out.completion_ids, out.completion_mask
+
+
+@dataclass
+class Branches:
+    """Continuations sampled by `branch_continuations`, one per requested (sequence, cut)."""
+
+    ids: list[list[int]]  # generated tokens of each continuation (EOS kept, padding dropped)
+    truncated: list[bool]  # True where a continuation used its whole budget without EOS
+    generated_tokens: int  # tokens decoded, budgets' overrun included (the real work)
+    prefill_tokens: int  # tokens run through the model to build the shared prefixes
+
+
+@torch.no_grad()
+def prefill_rows(model, sequences: Sequence[Sequence[int]], device=None) -> KVCache:
+    """One forward pass over `sequences` (right padded) -> a grow-mode KVCache of all of them.
+
+    Row b holds the keys/values of sequences[b] in its first len(sequences[b]) slots; the
+    padding slots after them are masked and never read by `gather_cache_rows`.
+    """
+    device = device or next(model.parameters()).device
+    S = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), S, dtype=torch.long)
+    mask = torch.zeros(len(sequences), S, dtype=torch.bool)
+    for b, seq in enumerate(sequences):
+        ids[b, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+        mask[b, : len(seq)] = True
+    cache = KVCache(model.cfg.num_hidden_layers)
+    model.forward_hidden(ids.to(device), mask.to(device), cache)  # fills the cache
+    return cache
+
+
+def gather_cache_rows(cache: KVCache, rows: Sequence[int], lengths: Sequence[int]) -> KVCache:
+    """A new left-padded cache whose row r holds the first lengths[r] slots of cache row rows[r].
+
+    Keys keep the rotary positions they were computed at, and `next_pos` = lengths[r], so
+    decoding from the new cache equals decoding from a prefill of those prefixes (tested).
+    """
+    dev = cache.key_mask.device
+    S = max(lengths)  # R = len(rows) rows of S slots
+    n = torch.tensor(list(lengths), dtype=torch.long, device=dev)  # (R,)
+    src = torch.tensor(list(rows), dtype=torch.long, device=dev)  # (R,)
+    slot = torch.arange(S, device=dev)[None, :] - (S - n)[:, None]  # (R, S) source slot
+    real = slot >= 0  # left padding where negative
+    slot = slot.clamp(min=0)
+    out = KVCache(cache.num_layers)
+    for i in range(cache.num_layers):
+        for name in ("keys", "values"):
+            x = getattr(cache, name)[i][src]  # (R, H_kv, S0, D)
+            idx = slot[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+            y = x.gather(2, idx) * real[:, None, :, None]  # (R, H_kv, S, D), zero padding
+            getattr(out, name)[i] = y
+    out.key_mask = real  # (R, S)
+    out.next_pos = n.clone()  # (R,) real tokens held = next position
+    return out
+
+
+@torch.no_grad()
+def branch_continuations(
+    model,
+    sequences: Sequence[Sequence[int]],
+    cuts: Sequence[tuple[int, int]],
+    max_new_tokens: int | Sequence[int],
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    batch_size: int = 64,
+) -> Branches:
+    """One sampled continuation of `sequences[i][:n]` for every `(i, n)` in `cuts`.
+
+    Every sequence is prefilled once, up to its longest cut (`prefill_rows`); each continuation
+    then starts from a copy of that cache cut to n - 1 slots (`gather_cache_rows`) and feeds the
+    prefix's last token, so a prefix is never recomputed however many continuations or step
+    boundaries share it (the tree of VinePPO's Monte-Carlo values, arXiv 2410.01679, section 4,
+    branches from one computed trunk). `max_new_tokens`: one budget, or one per cut (rows are
+    batched by budget, so a short budget does not wait for long ones). Returns `Branches`.
+    """
+    budgets = ([int(max_new_tokens)] * len(cuts) if isinstance(max_new_tokens, int)
+               else [int(b) for b in max_new_tokens])
+    if len(budgets) != len(cuts):
+        raise ValueError(f"branch_continuations: {len(budgets)} budgets for {len(cuts)} cuts")
+    for i, n in cuts:
+        if not 1 <= n <= len(sequences[i]):
+            raise ValueError(f"branch_continuations: cut {n} outside sequence {i} "
+                             f"(length {len(sequences[i])})")
+    out_ids: list[list[int]] = [[] for _ in cuts]
+    out_trunc = [False] * len(cuts)
+    if not cuts:
+        return Branches(out_ids, out_trunc, 0, 0)
+    used = sorted({i for i, _ in cuts})
+    trunk = {i: max(n for j, n in cuts if j == i) - 1 for i in used}  # slots to prefill
+    prefilled = [i for i in used if trunk[i] > 0]
+    row_of = {i: r for r, i in enumerate(prefilled)}
+    cache = prefill_rows(model, [sequences[i][: trunk[i]] for i in prefilled]) if prefilled \
+        else None
+    device = next(model.parameters()).device
+    generated, order = 0, sorted(range(len(cuts)), key=lambda c: -budgets[c])
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        last = torch.tensor([[sequences[cuts[c][0]][cuts[c][1] - 1]] for c in chunk],
+                            dtype=torch.long, device=device)  # (R, 1) each prefix's last token
+        lengths = [cuts[c][1] - 1 for c in chunk]
+        branch = None
+        if max(lengths) > 0:
+            # rows with an empty trunk (a one-token prefix) borrow any row, masked out entirely
+            rows = [row_of.get(cuts[c][0], 0) for c in chunk]
+            branch = gather_cache_rows(cache, rows, lengths)
+        gen = generate(model, last, max_new_tokens=max(budgets[c] for c in chunk),
+                       temperature=temperature, top_p=top_p, eos_token_id=eos_token_id,
+                       generator=generator, cache=branch, preallocate=False)
+        generated += int(gen.lengths.sum())
+        for r, c in enumerate(chunk):
+            ids = gen.completion_ids[r][gen.completion_mask[r]].tolist()
+            out_trunc[c] = bool(gen.truncated[r]) or len(ids) > budgets[c]
+            out_ids[c] = ids[: budgets[c]]
+    prefill = sum(trunk[i] for i in prefilled) + len(cuts)
+    return Branches(out_ids, out_trunc, generated, prefill)
 
 
 class TextStreamer:

@@ -28,8 +28,10 @@ from .step_scorers import MonteCarloStepScorer, StepScorer, VerifierStepScorer, 
 def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
                       **mc_kwargs) -> StepScorer:
     """A scorer from a command-line spec: verifier | verifier-signed | verifier-think | mc |
-    mc-hard | prm:PATH | online-prm:PATH | online-prm-outcome:PATH (`verifier-think`: steps
-    count only in the think format, `VerifierStepScorer(think_only=True)`).
+    mc-hard | mc-branch | prm:PATH | online-prm:PATH | online-prm-outcome:PATH
+    (`verifier-think`: steps count only in the think format, `VerifierStepScorer(think_only=
+    True)`; `mc-branch`: Monte-Carlo values from the group's own completions and continuations
+    branched from the rollouts' caches, `MonteCarloStepScorer(branch=True)`).
 
     `mc` samples with `model` (the policy being trained, so it follows the current policy);
     `mc_kwargs` go to `MonteCarloStepScorer`. `prm:PATH` loads a model saved by `prm.save_prm`;
@@ -43,11 +45,12 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
         return VerifierStepScorer(signed=True)
     if spec == "verifier-think":
         return VerifierStepScorer(think_only=True)
-    if spec in ("mc", "mc-hard"):
+    if spec in ("mc", "mc-hard", "mc-branch"):
         if model is None or tokenizer is None:
             raise ValueError("the mc step scorer needs the policy model and tokenizer")
         mode = "hard" if spec == "mc-hard" else "soft"
-        return MonteCarloStepScorer(model, tokenizer, mode=mode, device=device, **mc_kwargs)
+        return MonteCarloStepScorer(model, tokenizer, mode=mode, device=device,
+                                    branch=spec == "mc-branch", **mc_kwargs)
     if spec.startswith("prm:"):
         prm, prm_tokenizer = load_prm(spec[4:], device=device)
         return PRMStepScorer(prm, prm_tokenizer)
@@ -58,8 +61,8 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
             prm, prm_tokenizer = load_prm(spec[len(prefix):], device=device)
             return OnlinePRMStepScorer(prm, prm_tokenizer, labeler)
     raise ValueError(f"unknown step scorer {spec!r}; expected verifier, verifier-signed, "
-                     "verifier-think, mc, "
-                     "mc-hard, prm:PATH, online-prm:PATH or online-prm-outcome:PATH")
+                     "verifier-think, mc, mc-hard, mc-branch, prm:PATH, online-prm:PATH or "
+                     "online-prm-outcome:PATH")
 
 
 def process_token_advantages(
@@ -86,7 +89,10 @@ def process_token_advantages(
                                 rollouts.texts[g], bool(rollouts.truncated[g]), split_mode, pattern)
         steps.append(s)
         ends.append(e)
-    rewards = scorer.score_group(prompt, steps, example)
+    if callable(getattr(scorer, "score_rollouts", None)):
+        rewards = scorer.score_rollouts(prompt, rollouts, steps, ends, example)
+    else:  # a duck-typed scorer with score / score_group only
+        rewards = scorer.score_group(prompt, steps, example)
     for g, (rs, ss) in enumerate(zip(rewards, steps)):
         if len(rs) != len(ss):
             raise ValueError(f"process_token_advantages: the step scorer gave {len(rs)} rewards "

@@ -27,7 +27,7 @@ import torch
 
 from .arithmetic import parse_steps, verify_steps
 from .evaluation import has_think_format
-from .generation import generate, stop_token_ids
+from .generation import branch_continuations, generate, stop_token_ids
 from .grading import reward_rlvr
 
 
@@ -49,6 +49,13 @@ class StepScorer:
     def cost(self) -> dict[str, float]:
         """Work done so far (e.g. generated tokens); empty for free scorers."""
         return {}
+
+    def score_rollouts(self, prompt: str, rollouts, steps_per_completion: Sequence[Sequence[str]],
+                       step_ends: Sequence[Sequence[int]], example: dict) -> list[list[float]]:
+        """Rewards of a group given as sampled `generation.Rollouts` too (their token ids and
+        each step's last token index, as `process.completion_steps` gives them). Scorers that
+        can reuse the rollouts' tokens override this; the default scores the texts."""
+        return self.score_group(prompt, steps_per_completion, example)
 
 
 def _check_lengths(scorer, steps, scores) -> list[float]:
@@ -188,6 +195,19 @@ class MonteCarloStepScorer(StepScorer):
     together in left-padded batches of at most `batch_size` rows, with `num_return_sequences=k`
     so each prefix is prefilled once. Cost: every step of every completion costs k rollouts of up
     to `max_new_tokens` tokens; `cost()` reports generated tokens, rollouts and seconds.
+
+    `branch=True` (spec `mc-branch`; used where the rollouts' tokens are at hand, i.e.
+    `score_rollouts` in training) changes how the same values are estimated, at a fraction of
+    the cost, in the manner of VinePPO (arXiv 2410.01679) and TreeRPO (arXiv 2506.05183):
+    - the group is the first source of samples: a completion whose tokens start with a step
+      prefix *is* a sample of that prefix's value (it was drawn from the same policy after the
+      same tokens), so only `k - members` continuations are sampled, none where k completions
+      of the group already share the prefix;
+    - continuations branch from the rollouts' own tokens: each completion is prefilled once and
+      every step boundary continues from a copy of its cache (`generation.branch_continuations`),
+      never re-encoding or recomputing a prefix;
+    - a continuation gets the budget its completion had left (`max_new_tokens` minus the
+      prefix's generated tokens), so it is drawn as the rollouts were.
     """
 
     name = "mc"
@@ -195,7 +215,8 @@ class MonteCarloStepScorer(StepScorer):
     def __init__(self, model, tokenizer, num_continuations: int = 4, mode: str = "soft",
                  max_new_tokens: int = 64, temperature: float = 0.8, top_p: float = 1.0,
                  batch_size: int = 64, generator: torch.Generator | None = None,
-                 reward_fn: Callable[[str, dict], float] = _default_reward, device=None):
+                 reward_fn: Callable[[str, dict], float] = _default_reward, device=None,
+                 branch: bool = False):
         if mode not in ("soft", "hard"):
             raise ValueError(f"MonteCarloStepScorer: mode must be 'soft' or 'hard', got {mode!r}")
         if num_continuations < 1:
@@ -204,14 +225,20 @@ class MonteCarloStepScorer(StepScorer):
         self.k, self.mode = int(num_continuations), mode
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.batch_size, self.generator, self.reward_fn = batch_size, generator, reward_fn
-        self.device = device
+        self.device, self.branch = device, branch
         self.generated_tokens = 0
+        self.prefill_tokens = 0  # branch mode: tokens run to build the shared prefixes
         self.rollouts = 0
+        self.reused = 0  # branch mode: group completions counted as samples of a prefix value
         self.seconds = 0.0
 
     def cost(self):
-        return {"mc_generated_tokens": float(self.generated_tokens),
+        cost = {"mc_generated_tokens": float(self.generated_tokens),
                 "mc_rollouts": float(self.rollouts), "mc_seconds": self.seconds}
+        if self.branch:
+            cost.update(mc_prefill_tokens=float(self.prefill_tokens),
+                        mc_reused=float(self.reused))
+        return cost
 
     def _continue(self, texts: list[str]) -> list[list[str]]:
         """k sampled continuations of each text, batched; counts the cost."""
@@ -245,6 +272,61 @@ class MonteCarloStepScorer(StepScorer):
 
     def score(self, prompt, steps, example):
         return self.score_group(prompt, [steps], example)[0]
+
+    def score_rollouts(self, prompt, rollouts, steps_per_completion, step_ends, example):
+        if not self.branch:
+            return self.score_group(prompt, steps_per_completion, example)
+        t0 = time.perf_counter()
+        P, G = rollouts.prompt_len, len(rollouts)
+        seqs = [rollouts.full_ids(g).tolist() for g in range(G)]
+        outcome = [float(self.reward_fn(rollouts.texts[g], example) >= 1.0) for g in range(G)]
+        # Each non-final step prefix, as tokens (prompt included) -> the completions through it.
+        members: dict[tuple[int, ...], list[int]] = {}
+        for g, ends in enumerate(step_ends):
+            for e in list(ends)[:-1]:
+                members.setdefault(tuple(seqs[g][: P + e + 1]), [])
+        for key, through in members.items():
+            through.extend(g for g in range(G) if tuple(seqs[g][: len(key)]) == key)
+        hits = self._branch_hits(members, seqs, P, example)
+        values = {}
+        for key, through in members.items():
+            samples = [outcome[g] for g in through] + hits[key]
+            self.reused += len(through)
+            values[key] = (float(any(samples)) if self.mode == "hard"
+                           else sum(samples) / len(samples))
+        out = []
+        for g, ends in enumerate(step_ends):
+            row = [values[tuple(seqs[g][: P + e + 1])] for e in list(ends)[:-1]]
+            out.append(row + [outcome[g]] if len(ends) else [])
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def _branch_hits(self, members, seqs, P, example) -> dict[tuple[int, ...], list[float]]:
+        """Outcomes of the `k - members` continuations each prefix still needs (branch mode)."""
+        cuts, keys = [], []
+        for key, through in members.items():
+            for _ in range(max(0, self.k - len(through))):
+                cuts.append((through[0], len(key)))
+                keys.append(key)
+        budgets = [max(1, self.max_new_tokens - (n - P)) for _, n in cuts]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            br = branch_continuations(
+                self.model, seqs, cuts, budgets, self.temperature, self.top_p,
+                stop_token_ids(self.tokenizer), self.generator, self.batch_size)
+        finally:
+            self.model.train(was_training)
+        self.generated_tokens += br.generated_tokens
+        self.prefill_tokens += br.prefill_tokens
+        self.rollouts += len(cuts)
+        hits: dict[tuple[int, ...], list[float]] = {key: [] for key in members}
+        for key, ids, cut in zip(keys, br.ids, br.truncated):
+            if ids and not cut:
+                ids = ids[:-1]  # drop the EOS
+            text = self.tokenizer.decode(list(key[P:]) + ids, skip_special_tokens=False)
+            hits[key].append(float(self.reward_fn(text, example) >= 1.0))
+        return hits
 
 
 # ----------------------------------------------------------------------------------------------

@@ -208,7 +208,8 @@ class GRPOConfig:
         choices=SUPERVISIONS)
     step_scorer: str = option("verifier",
         "process supervision step scorer: verifier | verifier-signed | verifier-think (steps "
-        "count only in the think format) | mc | mc-hard | prm:PATH | online-prm:PATH | "
+        "count only in the think format) | mc | mc-hard | mc-branch (Monte-Carlo from the group "
+        "and branched caches) | prm:PATH | online-prm:PATH | "
         "online-prm-outcome:PATH (a PRM re-fitted on the rollouts with verifier / outcome labels)")
     process_variant: str = option("sum",
         "process advantage: sum (DeepSeekMath) | process+outcome | min (PURE) | position | "

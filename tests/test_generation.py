@@ -14,16 +14,20 @@ from reasoning_from_scratch.device import default_dtype, get_device
 from reasoning_from_scratch.generation import (
     Rollouts,
     TextStreamer,
+    branch_continuations,
     chat_turn,
+    gather_cache_rows,
     generate,
     generate_batch,
     new_chat,
+    prefill_rows,
     sample_next_token,
     sample_response,
     sample_rollouts,
     sample_rollouts_batch,
     top_p_filter,
 )
+from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.qwen3 import KVCache, Qwen3Model, tiny_config
 from reasoning_from_scratch.weights import load_pretrained
 
@@ -336,3 +340,44 @@ def test_device_helpers():
     assert get_device().type in {"cuda", "mps", "cpu"}
     assert default_dtype("cpu") == torch.float32
     assert default_dtype("cuda") == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- branching
+
+
+def test_gathered_prefix_cache_gives_the_logits_of_a_fresh_prefill(model):
+    torch.manual_seed(1)
+    seqs = [torch.randint(2, V, (n,)).tolist() for n in (9, 6, 11)]
+    cache = prefill_rows(model, seqs)  # right padded to 11 slots
+    rows, lengths = [0, 2, 1, 2, 0], [4, 11, 6, 1, 9]
+    branch = gather_cache_rows(cache, rows, lengths)  # left padded to 11 slots
+    assert branch.key_mask.sum(1).tolist() == lengths and branch.next_pos.tolist() == lengths
+    nxt = torch.tensor([[3], [4], [5], [6], [7]])  # one more token per row
+    with torch.no_grad():
+        got = model(nxt, None, branch)[:, -1]  # (5, V)
+        for r, (b, n) in enumerate(zip(rows, lengths)):
+            want = model(torch.tensor([seqs[b][:n] + [3 + r]]))[:, -1]
+            torch.testing.assert_close(got[r : r + 1], want, rtol=1e-4, atol=1e-5)
+
+
+def test_branch_continuations_equal_generation_from_the_prefix(bundled):
+    model, tok = bundled
+    stop = generation.stop_token_ids(tok)
+    prompt = tok.encode(render_prompt("Compute ((17+25)*3)-8"))
+    full = generate(model, torch.tensor([prompt]), max_new_tokens=50, temperature=0.0,
+                    eos_token_id=stop).sequences[0].tolist()
+    seqs = [full, prompt + tok.encode(" <think>")]
+    cuts = [(0, len(prompt) + 3), (1, len(seqs[1])), (0, len(prompt) + 12), (0, len(prompt) + 3)]
+    budgets = [40, 40, 6, 40]
+    out = branch_continuations(model, seqs, cuts, budgets, temperature=0.0, eos_token_id=stop,
+                               batch_size=3)
+    for (i, n), ids, budget, cut in zip(cuts, out.ids, budgets, out.truncated):
+        ref = generate(model, torch.tensor([seqs[i][:n]]), max_new_tokens=budget,
+                       temperature=0.0, eos_token_id=stop)
+        assert ids == ref.completion_ids[0][ref.completion_mask[0]].tolist()
+        assert cut == bool(ref.truncated[0])
+    assert out.truncated[2] and len(out.ids[2]) == 6  # its budget ran out first
+    # Each sequence is prefilled once up to its longest cut (minus the token fed per branch).
+    assert out.prefill_tokens == (len(prompt) + 11) + (len(seqs[1]) - 1) + len(cuts)
+    with pytest.raises(ValueError, match="outside"):
+        branch_continuations(model, seqs, [(0, len(full) + 1)], 4)

@@ -290,3 +290,77 @@ def test_make_process_advantage_fn_with_mc(tokenizer):
     assert out.shape == ro.completion_ids.shape
     # 5 distinct non-final prefixes x 2 continuations, each up to 3 tokens
     assert fn.last_stats["mc_rollouts"] == 10 and fn.last_stats["mc_generated_tokens"] <= 30
+
+
+# ---------------------------------------------------------------------------------------------
+# Monte-Carlo from the group and branched caches (MonteCarloStepScorer(branch=True))
+# ---------------------------------------------------------------------------------------------
+
+
+def _fake_branches(tokenizer, continuation, asked):
+    """A stand-in for generation.branch_continuations: every cut continues with `continuation`."""
+    from reasoning_from_scratch.generation import Branches
+
+    def fake(model, seqs, cuts, budgets, *args, **kwargs):
+        asked.extend(cuts)
+        ids = tokenizer.encode(continuation) + [tokenizer.eos_token_id]
+        return Branches([list(ids) for _ in cuts], [False] * len(cuts), len(ids) * len(cuts),
+                        0)
+
+    return fake
+
+
+@pytest.mark.parametrize("mode,k,expected_bad,asked_for", [
+    # k = 2: steps 2 and 3 of BAD are the only prefixes with fewer than 2 completions through
+    # them; each gets one continuation (it reaches 118), so its value is (0 + 1) / 2.
+    ("soft", 2, [2 / 3, 0.5, 0.5, 0.0], 2),
+    ("hard", 2, [1.0, 1.0, 1.0, 0.0], 2),
+    # k = 4: step 1 (3 completions) needs 1 more, steps 2-3 of GOOD (2 each) need 2, BAD's 3.
+    ("soft", 4, [3 / 4, 3 / 4, 3 / 4, 0.0], 1 + 2 + 2 + 3 + 3),
+])
+def test_mc_branch_counts_the_group_as_samples(tokenizer, monkeypatch, mode, k, expected_bad,
+                                               asked_for):
+    from reasoning_from_scratch import step_scorers
+
+    asked = []
+    monkeypatch.setattr(step_scorers, "branch_continuations",
+                        _fake_branches(tokenizer, "</think>\n\\boxed{118}", asked))
+    ro = _rollouts(tokenizer, [GOOD, GOOD, BAD])
+    mc = MonteCarloStepScorer(torch.nn.Linear(1, 1), tokenizer, num_continuations=k, mode=mode,
+                              branch=True)
+    _, info = process_token_advantages(ro, EXAMPLE, tokenizer, mc)
+    rewards = info["step_rewards"]
+    assert len(asked) == asked_for and mc.rollouts == asked_for
+    assert rewards[2] == pytest.approx(expected_bad)
+    assert rewards[0] == rewards[1]  # identical completions, identical prefixes
+    assert rewards[0][-1] == 1.0 and rewards[2][-1] == 0.0  # final steps: the outcomes
+    # Continuations start where a step prefix ends, from the first completion through it
+    # (never from completion 1, a copy of completion 0).
+    P = ro.prompt_len
+    assert {n for _, n in asked} <= {P + e + 1 for es in info["step_ends"] for e in es[:-1]}
+    assert {i for i, _ in asked} <= {0, 2}
+    # Samples from the group: 3 + 2 + 2 (GOOD's prefixes) + 1 + 1 (BAD's own).
+    assert mc.cost()["mc_reused"] == 9
+
+
+def test_mc_branch_on_a_real_model_costs_less_than_the_text_scorer(tokenizer):
+    torch.manual_seed(0)
+    model = Qwen3Model(tiny_config(vocab_size=tokenizer.vocab_size, num_hidden_layers=1)).eval()
+    ro = _rollouts(tokenizer, [GOOD, GOOD, BAD, BAD])
+    scorers = {spec: build_step_scorer(spec, model, tokenizer, num_continuations=3,
+                                       max_new_tokens=40, temperature=1.0,
+                                       generator=torch.Generator().manual_seed(0))
+               for spec in ("mc", "mc-branch")}
+    infos = {spec: process_token_advantages(ro, EXAMPLE, tokenizer, sc, variant="value-delta",
+                                            outcome_advantages=torch.zeros(4))[1]
+             for spec, sc in scorers.items()}
+    for info in infos.values():
+        assert [r[-1] for r in info["step_rewards"]] == [1.0, 1.0, 0.0, 0.0]
+        assert all(0.0 <= x <= 1.0 for r in info["step_rewards"] for x in r)
+    text, branch = (scorers[s].cost() for s in ("mc", "mc-branch"))
+    # 5 distinct prefixes x 3 continuations for the text scorer. The branch scorer has all 4
+    # completions through step 1 (no sampling) and 2 through each later prefix (one more each).
+    assert text["mc_rollouts"] == 15 and branch["mc_rollouts"] == 4
+    assert branch["mc_generated_tokens"] < text["mc_generated_tokens"]
+    assert branch["mc_prefill_tokens"] > 0 and "mc_prefill_tokens" not in text
+    assert not model.training

@@ -99,6 +99,8 @@ ARMS = {
     "progress-think": ("verifier-think", "progress"),
     "prm-clip": ("prm", "clip"), "prm-delta": ("prm", "delta"), "prm-pure": ("prm", "pure"),
     "prm-progress": ("prm", "progress"), "mc-delta": ("mc", "value-delta"),
+    # VinePPO values from the group itself plus continuations branched from the rollouts' caches
+    "vine": ("mc-branch", "value-delta"), "vine-k2": ("mc-branch", "value-delta"),
     "online-prm": ("online-prm", "progress"),
     "online-prm-outcome": ("online-prm-outcome", "progress"),
     # the configuration chapter 8 recommends (see docs/process_supervision_forms.md)
@@ -107,7 +109,8 @@ ARMS = {
 # Per-arm GRPOConfig values that differ from the shared flags. The recommended arm drops the
 # groups whose token advantages are all zero (equal outcomes and equal verified steps): they
 # carry no signal, and training on them doubled the update's cost.
-ARM_CONFIG = {"recommended": {"process_alpha": 1.0, "skip_zero_advantage": True}}
+ARM_CONFIG = {"recommended": {"process_alpha": 1.0, "skip_zero_advantage": True},
+              "vine-k2": {"mc_rollouts": 2}}
 DEFAULT_ARMS = "outcome,verifier,mc,prm,verifier+outcome"
 LABELS = {
     "outcome": "outcome", "verifier": "process (verifier)", "mc": "process (MC)",
@@ -119,6 +122,8 @@ LABELS = {
     "prm-clip": "outcome + clip form (PRM)", "prm-delta": "outcome + delta form (PRM)",
     "prm-pure": "PURE min form (PRM)", "prm-progress": "outcome + progress (PRM)",
     "mc-delta": "outcome + MC value differences",
+    "vine": "outcome + MC value differences (group + branched caches, k = 4)",
+    "vine-k2": "outcome + MC value differences (group + branched caches, k = 2)",
     "online-prm": "outcome + progress (online PRM, verifier labels)",
     "online-prm-outcome": "outcome + progress (online PRM, outcome labels)",
     "recommended": "recommended: outcome + progress (verifier-think, skip zero-signal groups)",
@@ -128,7 +133,8 @@ COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm"
           "first-error": "tab:gray", "progress": "tab:cyan", "progress-think": "teal",
           "prm-clip": "tab:pink",
           "prm-delta": "tab:brown", "prm-pure": "gold", "prm-progress": "darkorange",
-          "mc-delta": "darkred", "online-prm": "tab:purple", "online-prm-outcome": "indigo",
+          "mc-delta": "darkred", "vine": "firebrick", "vine-k2": "salmon",
+          "online-prm": "tab:purple", "online-prm-outcome": "indigo",
           "recommended": "black"}
 # Held-out figures of every evaluated checkpoint (keys of evaluate()'s summary; may be None).
 METRICS = ("accuracy", "step_correctness", "right_answer_wrong_step", "think_accuracy",
