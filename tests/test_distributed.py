@@ -214,6 +214,24 @@ def test_two_processes_make_the_one_process_run(runs):
     assert json.loads((two / "config.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.parametrize("scorer,variant", [("verifier-think", "progress"),
+                                             ("mc-branch", "value-delta")])
+def test_two_processes_train_with_the_process_forms(tmp_path, scorer, variant):
+    """Every process scores its own groups (the Monte-Carlo scorer samples with the policy)."""
+    out = tmp_path / "run"
+    flags = ["--steps", "2", "--prompts-per-step", "2", "--num-rollouts", "4",
+             "--max-new-tokens", "40", "--eval-examples", "2", "--eval-every", "0",
+             "--train-examples", "32", "--supervision", "process", "--step-scorer", scorer,
+             "--process-variant", variant, "--mc-rollouts", "2", "--threads", "1",
+             "--device", "cpu", "--no-progress"]
+    proc, _ = _torchrun(tmp_path, out, ["--output-dir", str(out), *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(out / "metrics.csv")
+    assert [r["step"] for r in rows] == [1.0, 2.0]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["step_scorer"], config["process_variant"]) == (scorer, variant)
+
+
 def test_only_rank_0_writes_files(runs):
     two, writes = runs["two"], runs["writes"]
     assert writes[1] == []

@@ -173,6 +173,28 @@ def test_ch07_script_process_supervision(tmp_path):
     assert [r["step"] for r in read_metrics(out / "metrics.csv")] == [1.0]
 
 
+@pytest.mark.parametrize("scorer,variant", [
+    ("verifier", "first-error"), ("verifier-think", "progress"), ("verifier", "clip"),
+    ("verifier", "delta"), ("verifier", "pure"), ("mc-branch", "value-delta"),
+])
+def test_ch07_script_runs_the_outcome_anchored_forms(tmp_path, scorer, variant):
+    """ch07_train.py --supervision process --process-variant NAME, one step each."""
+    out = tmp_path / "run"
+    summary = _load_script("ch07_train").main([
+        "--supervision", "process", "--step-scorer", scorer, "--process-variant", variant,
+        "--process-alpha", "0.5", "--mc-rollouts", "2", "--steps", "1",
+        "--prompts-per-step", "2", "--num-rollouts", "4", "--max-new-tokens", "40",
+        "--eval-examples", "2", "--eval-every", "0", "--train-examples", "20",
+        "--output-dir", str(out), "--no-progress", "--device", "cpu",
+    ])
+    assert summary["steps"] == 1
+    config = json.loads((out / "config.json").read_text())
+    assert (config["step_scorer"], config["process_variant"], config["process_alpha"]) == (
+        scorer, variant, 0.5)
+    if scorer != "mc-branch":  # the verifier generates nothing
+        assert read_metrics(out / "metrics.csv")[0]["scorer_tokens"] == 0
+
+
 def test_compute_grpo_loss_process_gives_token_advantages():
     """supervision="process": per-token (B, Tc) advantages, zero on padding, finite loss."""
     model, tokenizer = load_pretrained("tiny-arith", device="cpu")
