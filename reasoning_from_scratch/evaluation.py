@@ -109,6 +109,24 @@ def per_level_accuracy(records):
     return out
 
 
+def per_level_reasoning(records):
+    """{level: figures} of records that carry a level: accuracy, think-format rate, the number
+    of think-format answers and `reasoning_stats`, each over that level's records only.
+
+    Comparing two policies level by level separates how well they reason from which problems
+    they answer in the think format (a policy that uses it on harder levels too has a lower
+    overall step correctness with the same steps at every level).
+    """
+    out = {}
+    for level in sorted({r["level"] for r in records if r.get("level") is not None}):
+        rs = [r for r in records if r.get("level") == level]
+        think = sum(has_think_format(r["generated_text"]) for r in rs)
+        out[level] = {"accuracy": sum(r["correct"] for r in rs) / len(rs),
+                      "think_rate": think / len(rs), "think_answers": think,
+                      **reasoning_stats(rs)}
+    return out
+
+
 def summarize(records, generation_s, elapsed_s=None):
     """Summary numbers of per-example records; tokens/s counts generation time only.
 

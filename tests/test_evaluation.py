@@ -149,6 +149,13 @@ def test_reasoning_stats_hand_built():
     assert stats["step_correctness"] == pytest.approx(8 / 12)
     assert stats["right_answer_wrong_step"] == pytest.approx(1 / 2)
     assert evaluation.per_level_accuracy(records) == {1: 0.0, 3: 0.5}
+    levels = evaluation.per_level_reasoning(records)
+    assert sorted(levels) == [1, 3]
+    assert levels[3]["think_rate"] == 1.0 and levels[3]["think_answers"] == 4
+    assert levels[3]["step_correctness"] == pytest.approx(8 / 12)
+    assert levels[3]["think_accuracy"] == pytest.approx(2 / 4)
+    # level 1's only answer is not in the think format: no think figures
+    assert levels[1]["think_rate"] == 0.0 and levels[1]["step_correctness"] is None
     assert evaluation.step_verdicts("What is $x$?", "Step 1: 1+1=2") is None
     # three-digit steps with a carry to forget: only 126-8 (a units borrow) of the first record;
     # 42*3 has no carry, the second record's 126-8 does not continue from its written 127

@@ -76,6 +76,7 @@ from ..process import ANCHORED_VARIANTS
 from ..run_log import read_metrics
 from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
 from ..weights import load_pretrained
+from .levels import LEVEL_FILE, final_level_figures, level_figures, level_table
 from .stats import (
     SETTINGS_FILE,
     cached_base_figures,
@@ -661,8 +662,25 @@ def run_experiment(settings: ExperimentSettings, config: GRPOConfig, arms, seeds
     if not curves:
         raise SystemExit(f"no finished runs in {out}")
     record = {**asdict(settings), **values, "arms": list(arms), "seeds": list(seeds)}
+    levels = _final_levels(curves, base_model, tokenizer, held_out, device, config, out)
     return _write_results(curves, base, out, prm_report, record,
-                         f"{args.eval_split} split, {len(held_out)} problems")
+                         f"{args.eval_split} split, {len(held_out)} problems", levels)
+
+
+def _final_levels(curves, base_model, tokenizer, held_out, device, config, out):
+    """Per-level figures of the base model and of every run's final model (cached)."""
+    base_file = out / f"base_{LEVEL_FILE}"
+    key = {"problems": [ex["problem"] for ex in held_out[: config.eval_examples]],
+           "eval_tokens": config.eval_tokens}
+    cached = json.loads(base_file.read_text()) if base_file.is_file() else {}
+    base = cached.get("figures") if cached.get("key") == key else None
+    if base is None:
+        base = level_figures(base_model, tokenizer, held_out, device, config)
+        atomic_write_json(base_file, {"key": key, "figures": base})
+    runs = {arm: [final_level_figures(out / f"{arm}-seed{seed}", tokenizer, held_out, device,
+                                      config) for seed in seeds]
+            for arm, seeds in curves.items()}
+    return {"base": base, "runs": {arm: [f for f in fs if f] for arm, fs in runs.items()}}
 
 
 def _run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokenizer, train,
@@ -692,14 +710,21 @@ def _run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, token
     return {arm: runs for arm, runs in curves.items() if runs}
 
 
-def _write_results(curves, base, out, prm_report, record, held_out_name):
-    """Summarise the curves into results.md, process_vs_outcome.png and results.json in `out`."""
+def _write_results(curves, base, out, prm_report, record, held_out_name, levels=None):
+    """Summarise the curves into results.md, process_vs_outcome.png and results.json in `out`
+    (with `levels`, `_final_levels`' figures, a table of the final models level by level)."""
     summary = summarise(curves, base)
     table = write_table(summary, base, out / "results.md", prm_report, held_out_name)
+    if levels:
+        reference = "outcome" if "outcome" in levels["runs"] else next(iter(levels["runs"]))
+        lines = level_table(levels["runs"], LABELS, reference, levels["base"])
+        table += "\n".join(["", *lines])
+        (out / "results.md").write_text(table + "\n")
     plot_process_vs_outcome(curves, base, out / "process_vs_outcome.png",
                             summary["token_budget"], summary.get("seconds_budget"))
     atomic_write_json(out / "results.json", jsonable({
-        "base": base, **summary, "curves": curves, "prm": prm_report, "args": record}))
+        "base": base, **summary, "curves": curves, "prm": prm_report, "args": record,
+        "levels": levels}))
     print(table)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'process_vs_outcome.png'}")
     return summary
