@@ -26,6 +26,11 @@ import torch
 
 from reasoning_from_scratch.arithmetic import make_split
 from reasoning_from_scratch.checkpoints import save_checkpoint
+from reasoning_from_scratch.cli.arguments import (
+    add_sampling_arguments,
+    add_threads_argument,
+    set_threads,
+)
 from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, Qwen3Model
 from reasoning_from_scratch.training import GRPOConfig, train_grpo
 from reasoning_from_scratch.validation import positive_int
@@ -106,12 +111,12 @@ def main(argv=None):
                         "checkpoint after every step (0: skip)")
     p.add_argument("--prompts-per-step", type=positive_int, default=16,
                    help="--run-steps: prompts per step (16: the chapter 7 default)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=112,
-                   help="--run-steps: tokens per rollout (112: the chapter 7 default)")
+    add_sampling_arguments(p, max_new_tokens=112, helps={
+        "max_new_tokens": "--run-steps: tokens per rollout (112: the chapter 7 default)"})
     p.add_argument("--dir", default=None, help="where to write (None: a temp dir)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    add_threads_argument(p, help="torch CPU threads")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     root = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
     results = {"saves": [], "run": None}

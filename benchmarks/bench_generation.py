@@ -22,10 +22,11 @@ import time
 
 import torch
 
+from reasoning_from_scratch.cli.arguments import add_runtime_arguments, set_threads
 from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.generation import generate, sample_response, sample_rollouts
 from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, Qwen3Model, tiny_config
-from reasoning_from_scratch.validation import non_negative_int, positive_int
+from reasoning_from_scratch.validation import choice_list, positive_int
 
 SIZES = ("tiny", "0.6b")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,21 +48,6 @@ class NoEosTokenizer:
 
     def decode(self, ids, skip_special_tokens=False):
         return ""
-
-
-def comma_list(allowed):
-    """argparse type: a comma-separated list whose items are all in `allowed`."""
-
-    def parse(text):
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in allowed]
-        if not items or bad:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of "
-                                             f"{', '.join(allowed)}; got {text!r}")
-        return items
-
-    parse.__name__ = "list"
-    return parse
 
 
 def sync(device):
@@ -170,11 +156,11 @@ def main(argv=None) -> list[dict]:
     """Parse the flags, time every knob asked for, print the table; returns its rows."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--sizes", type=comma_list(SIZES), default=list(SIZES),
+    p.add_argument("--sizes", type=choice_list(SIZES), default=list(SIZES),
                    help="comma-separated model sizes (random weights): tiny, 0.6b")
-    p.add_argument("--dtypes", type=comma_list(tuple(DTYPES)), default=["float32", "bfloat16"],
+    p.add_argument("--dtypes", type=choice_list(tuple(DTYPES)), default=["float32", "bfloat16"],
                    help="comma-separated dtypes: float32, bfloat16, float16")
-    p.add_argument("--knobs", type=comma_list(KNOBS), default=list(KNOBS),
+    p.add_argument("--knobs", type=choice_list(KNOBS), default=list(KNOBS),
                    help="comma-separated knobs to time: rollouts, prealloc, compile")
     p.add_argument("--num-rollouts", type=positive_int, default=8, help="G, completions per prompt")
     p.add_argument("--new-tokens", type=positive_int, default=128,
@@ -184,13 +170,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--prompt-len", type=positive_int, default=32, help="prompt length in tokens")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed repeats per path, interleaved (the best is reported)")
-    p.add_argument("--device", default=None, help="cuda, mps or cpu (None: the best available)")
-    p.add_argument("--threads", type=non_negative_int, default=0,
-                   help="torch CPU threads (0: torch's default)")
+    add_runtime_arguments(p, threads=0, threads_help="torch CPU threads (0: torch's default)")
     args = p.parse_args(argv)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     device = get_device(args.device)
     print(f"device={device} torch {torch.__version__} threads={torch.get_num_threads()} "
           f"G={args.num_rollouts} prompt={args.prompt_len} tokens, temperature 0.8, top-p 0.9, "

@@ -21,6 +21,12 @@ import time
 
 import torch
 
+from reasoning_from_scratch.cli.arguments import (
+    add_device_argument,
+    add_sampling_arguments,
+    add_threads_argument,
+    set_threads,
+)
 from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.generation import sample_response
 from reasoning_from_scratch.grpo import (
@@ -215,20 +221,19 @@ def main(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=["tiny"], choices=["tiny", "0.6b"],
                    help="model sizes (random weights): tiny-arith architecture, Qwen3-0.6B")
-    p.add_argument("--device", default=None, help="cuda, mps or cpu (None: the best available)")
+    add_device_argument(p)
     p.add_argument("--prompts", type=int, default=2, help="prompts per step")
     p.add_argument("--G", type=int, default=8, help="rollouts per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per rollout")
+    add_sampling_arguments(p, max_new_tokens=48, helps={"max_new_tokens": "tokens per rollout"})
     p.add_argument("--beta", type=float, default=0.04, help="KL weight (both paths keep a ref)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per path")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per path")
     p.add_argument("--paths", nargs="+", default=["book", "ours"], choices=["book", "ours"],
                    help="implementations to time (on CPU the peak is the process's peak RSS, so "
                         "run one path per process for separate peaks)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (None: default)")
+    add_threads_argument(p, None, "torch CPU threads (None: default)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     device = get_device(args.device)
     return {size: run(size, args, device) for size in args.sizes}
 

@@ -18,8 +18,15 @@ import time
 
 import torch
 
+from reasoning_from_scratch.cli.arguments import (
+    add_model_argument,
+    add_runtime_arguments,
+    add_sampling_arguments,
+    add_seed_argument,
+    set_threads,
+)
 from reasoning_from_scratch.datasets import load_arith
-from reasoning_from_scratch.device import device_arg, get_device
+from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.generation import sample_response
 from reasoning_from_scratch.grading import grade_answer
 from reasoning_from_scratch.inference_scaling import (
@@ -30,7 +37,6 @@ from reasoning_from_scratch.inference_scaling import (
 )
 from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.validation import (
-    non_negative_int,
     optional_positive_int,
     positive_int,
 )
@@ -73,8 +79,7 @@ def batched(model, tok, prompts, device, n, max_new_tokens, gen, batch_size):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny-arith",
-                   help="bundled model name, local Hugging Face-layout directory or hub repo id")
+    add_model_argument(p)
     p.add_argument("--num-samples", type=positive_int, default=16, help="N, samples per problem")
     p.add_argument("--problems", type=positive_int, default=100,
                    help="arith test problems for the batched and per-problem ways")
@@ -83,16 +88,12 @@ def main(argv=None):
                         "and the rate per problem compared")
     p.add_argument("--batch-size", type=positive_int, default=25,
                    help="problems decoded together in the batched way")
-    p.add_argument("--max-new-tokens", type=positive_int, default=112,
-                   help="tokens per sample (the tiny model's answers fit in 112)")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed")
-    p.add_argument("--device", type=device_arg, default=None,
-                   help="cuda, mps or cpu (None: the best available)")
-    p.add_argument("--threads", type=optional_positive_int, default=1,
-                   help="torch CPU threads ('none': torch's default)")
+    add_sampling_arguments(p, max_new_tokens=112, helps={
+        "max_new_tokens": "tokens per sample (the tiny model's answers fit in 112)"})
+    add_seed_argument(p, help="random seed")
+    add_runtime_arguments(p, threads_help="torch CPU threads ('none': torch's default)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     device = get_device(args.device)
     model, tok = load_pretrained(args.model, device=device, dtype=torch.float32)
     examples = load_arith("test", n=args.problems)

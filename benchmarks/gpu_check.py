@@ -21,6 +21,7 @@ import time
 import torch
 from bench_grpo_step import PROBLEMS, NoEosTokenizer, even_fraction
 
+from reasoning_from_scratch.cli.arguments import add_sampling_arguments, add_seed_argument
 from reasoning_from_scratch.grpo import collect_rollouts, grpo_loss_on_batch
 from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, Qwen3Model
 from reasoning_from_scratch.rewards import CompositeReward, RewardTerm
@@ -79,15 +80,15 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--num-rollouts", type=positive_int, default=16, help="G, rollouts per prompt")
     p.add_argument("--prompts", type=positive_int, default=4, help="prompts (groups) per step")
-    p.add_argument("--max-new-tokens", type=positive_int, default=256,
-                   help="tokens per rollout (EOS disabled: every rollout runs this long)")
+    add_sampling_arguments(p, max_new_tokens=256, helps={
+        "max_new_tokens": "tokens per rollout (EOS disabled: every rollout runs this long)"})
     p.add_argument("--micro-batch-size", type=non_negative_int, default=16,
                    help="rollouts per forward/backward in the update (0: all at once)")
     p.add_argument("--lr", type=positive_float, default=1e-6, help="AdamW learning rate")
     p.add_argument("--steps", type=positive_int, default=1, help="timed GRPO steps")
     p.add_argument("--warmup", type=non_negative_int, default=1,
                    help="untimed steps first (CUDA kernels, allocator and AdamW state warm up)")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="weights and sampling seed")
+    add_seed_argument(p, help="weights and sampling seed")
     args = p.parse_args(argv)
 
     if not torch.cuda.is_available():

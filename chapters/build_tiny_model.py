@@ -21,8 +21,11 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
+from reasoning_from_scratch.cli.arguments import (
+    add_seed_argument,
+    add_threads_argument,
+    set_threads,
+)
 from reasoning_from_scratch.tiny_world import (
     OPERAND_SLIP_PROB,
     SLIP_PROB_LARGE,
@@ -48,8 +51,7 @@ def main():
     )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT,
                         help="where to write the Hugging Face-layout model files")
-    parser.add_argument("--seed", type=non_negative_int, default=0,
-                        help="seed of the corpus, the tokenizer and the model initialisation")
+    add_seed_argument(parser, help="seed of the corpus, the tokenizer and the model initialisation")
     parser.add_argument("--steps", type=positive_int, default=4000, help="pretraining steps")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="sequences per step")
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="peak AdamW learning rate")
@@ -66,12 +68,12 @@ def main():
                              "step")
     parser.add_argument("--operand-slip-prob", type=unit_float, default=OPERAND_SLIP_PROB,
                         help="corpus: probability of copying an operand with its digits swapped")
-    parser.add_argument("--threads", type=non_negative_int, default=2, help="torch CPU threads")
+    add_threads_argument(parser, 2, "torch CPU threads")
     parser.add_argument("--json", type=Path, default=None,
                         help="also write the figures to this JSON file")
     args = parser.parse_args()
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     figures = build_tiny_model(
         args.out_dir,
         seed=args.seed,

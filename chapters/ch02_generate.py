@@ -17,7 +17,13 @@ import time
 
 import torch
 
-from reasoning_from_scratch.device import device_arg, get_device
+from reasoning_from_scratch.cli.arguments import (
+    add_device_argument,
+    add_model_argument,
+    add_sampling_arguments,
+    add_seed_argument,
+)
+from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.generation import (
     TextStreamer,
     chat_stop_ids,
@@ -27,13 +33,6 @@ from reasoning_from_scratch.generation import (
     stop_token_ids,
 )
 from reasoning_from_scratch.prompts import render_prompt
-from reasoning_from_scratch.validation import (
-    non_negative_float,
-    non_negative_int,
-    optional_positive_int,
-    positive_int,
-    probability_float,
-)
 from reasoning_from_scratch.weights import load_pretrained
 
 DEFAULT_PROBLEM = "What is 17+25?"
@@ -44,8 +43,7 @@ def parse_args(argv=None):
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default="tiny-arith",
-                   help="bundled model name, local Hugging Face-layout directory or hub repo id")
+    add_model_argument(p)
     p.add_argument("--prompt", default=None,
                    help="raw prompt text, sent as is (overrides --problem)")
     p.add_argument("--problem", default=None,
@@ -58,17 +56,11 @@ def parse_args(argv=None):
                    help="system message for --chat (None: no system message)")
     p.add_argument("--no-think", action="store_true",
                    help="--chat with enable_thinking=False (Qwen3's non-thinking mode)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128,
-                   help="maximum number of tokens to generate (per turn in a chat)")
-    p.add_argument("--temperature", type=non_negative_float, default=0.0,
-                   help="sampling temperature; 0 means greedy decoding")
-    p.add_argument("--top-p", type=probability_float, default=1.0,
-                   help="nucleus sampling: keep the smallest token set with this total probability")
-    p.add_argument("--top-k", type=optional_positive_int, default=None,
-                   help="sample only among the k most likely tokens (None: no limit)")
-    p.add_argument("--seed", type=non_negative_int, default=123, help="random seed for sampling")
-    p.add_argument("--device", type=device_arg, default=None,
-                   help="cuda, mps or cpu (None: the best available)")
+    add_sampling_arguments(p, max_new_tokens=128, temperature=0.0, top_p=1.0, top_k=None, helps={
+        "max_new_tokens": "maximum number of tokens to generate (per turn in a chat)",
+        "top_p": "nucleus sampling: keep the smallest token set with this total probability"})
+    add_seed_argument(p, 123)
+    add_device_argument(p)
     return p.parse_args(argv)
 
 

@@ -9,17 +9,18 @@ Examples:
 import argparse
 import json
 
-from reasoning_from_scratch.datasets import add_dataset_arguments, load_examples_or_exit
-from reasoning_from_scratch.device import device_arg, get_device
+from reasoning_from_scratch.cli.arguments import (
+    add_dataset_arguments,
+    add_device_argument,
+    add_model_argument,
+    add_sampling_arguments,
+    add_seed_argument,
+    load_examples_or_exit,
+)
+from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.evaluation import evaluate
 from reasoning_from_scratch.prompts import render_prompt, render_prompt_with_think_tokens
-from reasoning_from_scratch.validation import (
-    non_negative_float,
-    non_negative_int,
-    optional_positive_int,
-    positive_int,
-    probability_float,
-)
+from reasoning_from_scratch.validation import positive_int
 from reasoning_from_scratch.weights import load_pretrained
 
 PROMPTS = {"standard": render_prompt, "think": render_prompt_with_think_tokens}
@@ -30,26 +31,17 @@ def parse_args(argv=None):
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default="tiny-arith",
-                   help="bundled model name, local Hugging Face-layout directory or hub repo id")
+    add_model_argument(p)
     add_dataset_arguments(p)
-    p.add_argument("--limit", type=optional_positive_int, default=None,
-                   help="evaluate only the first N examples (None: all)")
     p.add_argument("--batch-size", type=positive_int, default=16,
                    help="number of prompts generated together")
-    p.add_argument("--max-new-tokens", type=positive_int, default=512,
-                   help="maximum number of generated tokens per answer")
-    p.add_argument("--temperature", type=non_negative_float, default=0.0,
-                   help="sampling temperature; 0 means greedy decoding")
-    p.add_argument("--top-p", type=probability_float, default=1.0,
-                   help="nucleus sampling threshold (only used when temperature > 0)")
+    add_sampling_arguments(p, max_new_tokens=512, temperature=0.0, top_p=1.0)
     p.add_argument("--prompt", default="standard", choices=sorted(PROMPTS),
                    help="prompt template: standard render_prompt or the <think> variant")
-    p.add_argument("--seed", type=non_negative_int, default=123, help="random seed for sampling")
+    add_seed_argument(p, 123)
     p.add_argument("--output", default=None,
                    help="JSONL file for the per-example records (None: not written)")
-    p.add_argument("--device", type=device_arg, default=None,
-                   help="cuda, mps or cpu (None: the best available)")
+    add_device_argument(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p.parse_args(argv)
 

@@ -21,8 +21,17 @@ import time
 
 import torch
 
-from reasoning_from_scratch.datasets import add_dataset_arguments, load_examples_or_exit
-from reasoning_from_scratch.device import device_arg, get_device
+from reasoning_from_scratch.cli.arguments import (
+    SHORT_THREADS_HELP,
+    add_dataset_arguments,
+    add_model_argument,
+    add_runtime_arguments,
+    add_sampling_arguments,
+    add_seed_argument,
+    load_examples_or_exit,
+    set_threads,
+)
+from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.evaluation import evaluate
 from reasoning_from_scratch.grading import grade_answer
 from reasoning_from_scratch.inference_scaling import (
@@ -32,14 +41,7 @@ from reasoning_from_scratch.inference_scaling import (
     self_consistency_vote_batch,
 )
 from reasoning_from_scratch.prompts import render_prompt, render_prompt_with_think_tokens
-from reasoning_from_scratch.validation import (
-    arg_type,
-    non_negative,
-    non_negative_int,
-    optional_positive_int,
-    positive_int,
-    probability_float,
-)
+from reasoning_from_scratch.validation import arg_type, non_negative, non_negative_int, positive_int
 from reasoning_from_scratch.weights import load_pretrained
 
 PROMPTS = {"standard": render_prompt, "think": render_prompt_with_think_tokens}
@@ -57,33 +59,24 @@ def _temperature_list(text):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny-arith",
-                   help="bundled model name, local Hugging Face-layout directory or hub repo id")
-    add_dataset_arguments(p)
-    p.add_argument("--limit", type=positive_int, default=50, help="number of problems")
+    add_model_argument(p)
+    add_dataset_arguments(p, limit=50, limit_help="number of problems")
     p.add_argument("--num-samples", type=positive_int, default=8,
                    help="samples per problem for each sampling setting (pass@k for k up to it)")
     p.add_argument("--temperatures", type=_temperature_list, default=[0.5, 1.0, 1.5],
                    help="comma-separated temperatures, each sampled with top-p 1 and top-k off")
-    p.add_argument("--top-p", type=probability_float, default=0.9,
-                   help="nucleus threshold of the extra top-p row (at temperature 1)")
-    p.add_argument("--top-k", type=positive_int, default=3,
-                   help="k of the extra top-k row (at temperature 1)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=512,
-                   help="maximum number of generated tokens per answer")
+    add_sampling_arguments(p, top_p=0.9, top_k=3, max_new_tokens=512, helps={
+        "top_p": "nucleus threshold of the extra top-p row (at temperature 1)",
+        "top_k": "k of the extra top-k row (at temperature 1)"})
     p.add_argument("--batch-size", type=positive_int, default=16,
                    help="problems whose samples are decoded together")
     p.add_argument("--early-stop-problems", type=non_negative_int, default=10,
                    help="problems for the early-stopping demonstration (0: skip it)")
     p.add_argument("--chunk-size", type=positive_int, default=4,
                    help="samples per chunk in the early-stopping demonstration")
-    p.add_argument("--seed", type=non_negative_int, default=123, help="random seed for sampling")
+    add_seed_argument(p, 123)
     p.add_argument("--output", default=None, help="JSON file for the results (None: not written)")
-    p.add_argument("--device", type=device_arg, default=None,
-                   help="cuda, mps or cpu (None: the best available)")
-    p.add_argument("--threads", type=optional_positive_int, default=1,
-                   help="torch CPU threads (1 is fastest for the tiny model on a busy machine; "
-                        "'none': torch's default)")
+    add_runtime_arguments(p, threads_help=SHORT_THREADS_HELP)
     return p.parse_args(argv)
 
 
@@ -147,8 +140,7 @@ def early_stopping(model, tokenizer, examples, device, args) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     examples = load_examples_or_exit(args.dataset, args.split, args.data_path,
                                      args.cache_dir, args.limit)
     device = get_device(args.device)

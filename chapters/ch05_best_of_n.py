@@ -27,8 +27,16 @@ from pathlib import Path
 
 import torch
 
-from reasoning_from_scratch.datasets import add_dataset_arguments, load_examples_or_exit
-from reasoning_from_scratch.device import device_arg, get_device
+from reasoning_from_scratch.cli.arguments import (
+    SHORT_THREADS_HELP,
+    add_dataset_arguments,
+    add_runtime_arguments,
+    add_sampling_arguments,
+    add_seed_argument,
+    load_examples_or_exit,
+    set_threads,
+)
+from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.experiments.inference_scaling import (
     METHODS,
     beam_shape,
@@ -41,16 +49,7 @@ from reasoning_from_scratch.experiments.stats import jsonable
 from reasoning_from_scratch.files import atomic_write_json
 from reasoning_from_scratch.prm import CONFIG_FILE as PRM_CONFIG_FILE
 from reasoning_from_scratch.prm import load_prm, train_prm_on_arithmetic
-from reasoning_from_scratch.validation import (
-    arg_type,
-    at_least,
-    non_negative_float,
-    non_negative_int,
-    optional_positive_int,
-    positive_int,
-    probability_float,
-    unit_float,
-)
+from reasoning_from_scratch.validation import arg_type, at_least, positive_int, unit_float
 from reasoning_from_scratch.weights import load_pretrained
 
 
@@ -84,8 +83,8 @@ def build_parser():
     p.add_argument("--label", action="append", default=None,
                    help="label of each --model in the table and figure, in the same order "
                         "(None: 'base' for tiny-arith, else the directory's name)")
-    add_dataset_arguments(p, "evaluation set; the step verifier's methods need arith")
-    p.add_argument("--limit", type=positive_int, default=200, help="number of held-out problems")
+    add_dataset_arguments(p, limit=200, limit_help="number of held-out problems",
+                          dataset_help="evaluation set; the step verifier's methods need arith")
     p.add_argument("--ns", type=_int_list, default=[1, 2, 4, 8, 16, 32],
                    help="N values (samples; rounds for self-refinement); the largest is sampled "
                         "once and smaller N take the first N samples")
@@ -99,28 +98,23 @@ def build_parser():
                         "(<output-dir>/prm, trained there if missing; arith only) or 'none'")
     p.add_argument("--prm-train-problems", type=positive_int, default=400,
                    help="train-split problems for an auto-trained PRM")
-    p.add_argument("--max-new-tokens", type=positive_int, default=112,
-                   help="tokens per completion (the tiny model's answers fit in 112)")
-    p.add_argument("--temperature", type=non_negative_float, default=1.0,
-                   help="sampling temperature (1: the model's own distribution)")
-    p.add_argument("--top-p", type=probability_float, default=1.0, help="nucleus threshold")
+    add_sampling_arguments(p, max_new_tokens=112, temperature=1.0, top_p=1.0, helps={
+        "max_new_tokens": "tokens per completion (the tiny model's answers fit in 112)",
+        "temperature": "sampling temperature (1: the model's own distribution)",
+        "top_p": "nucleus threshold"})
     p.add_argument("--self-threshold", type=unit_float, default=0.3,
                    help="self critic: a step whose least likely token has a lower probability "
                         "is rejected")
     p.add_argument("--batch-size", type=positive_int, default=16,
                    help="problems whose N samples are decoded together")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed for sampling")
+    add_seed_argument(p)
     p.add_argument("--output-dir", default="runs/inference-scaling",
                    help="where results.json, results.md, the figure and the auto PRM go")
     p.add_argument("--figure", default=None,
                    help="figure path (None: <output-dir>/inference_scaling.png)")
     p.add_argument("--table", default=None,
                    help="markdown table path (None: <output-dir>/results.md)")
-    p.add_argument("--device", type=device_arg, default=None,
-                   help="cuda, mps or cpu (None: the best available)")
-    p.add_argument("--threads", type=optional_positive_int, default=1,
-                   help="torch CPU threads (1 is fastest for the tiny model on a busy machine; "
-                        "'none': torch's default)")
+    add_runtime_arguments(p, threads_help=SHORT_THREADS_HELP)
     return p
 
 
@@ -163,8 +157,7 @@ def main(argv=None):
             beam_shape(n)
         except ValueError as err:
             parser.error(f"--beam-ns: {err}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     examples = load_examples_or_exit(args.dataset, args.split, args.data_path,
                                      args.cache_dir, args.limit)
     device = get_device(args.device)

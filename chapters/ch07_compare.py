@@ -20,11 +20,15 @@ from dataclasses import fields
 
 import torch
 
+from reasoning_from_scratch.cli.arguments import (
+    add_model_argument,
+    add_runtime_arguments,
+    set_threads,
+)
 from reasoning_from_scratch.cli.train import (
     DATA_FLAGS,
     add_config_arguments,
     add_data_arguments,
-    add_runtime_arguments,
     load_grpo_data,
 )
 from reasoning_from_scratch.device import get_device
@@ -50,7 +54,7 @@ def build_parser():
     """Experiment flags plus every GRPOConfig field (the settings shared by all arms)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny-arith", help="base model of every run")
+    add_model_argument(p, "base model of every run")
     p.add_argument("--dataset", default="arith", choices=("arith",),
                    help="the task (the comparison is calibrated on the arithmetic world)")
     p.add_argument("--arms", type=choice_list(ARMS), default=DEFAULT_ARMS,
@@ -78,8 +82,7 @@ def main(argv=None):
         GRPOConfig.from_dict(shared)
     except ValueError as err:
         parser.error(str(err))
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     device = get_device(args.device)
     model, tokenizer = load_pretrained(args.model, device=device, dtype=torch.float32)
     data = {k: getattr(args, k) for k in DATA_FLAGS}

@@ -18,13 +18,12 @@ import argparse
 import sys
 from dataclasses import fields
 
-import torch
-
-from reasoning_from_scratch.cli.train import (
-    add_config_arguments,
-    add_data_arguments,
+from reasoning_from_scratch.cli.arguments import (
+    add_model_argument,
     add_runtime_arguments,
+    set_threads,
 )
+from reasoning_from_scratch.cli.train import add_config_arguments, add_data_arguments
 from reasoning_from_scratch.distributed import refuse_multiple_processes
 from reasoning_from_scratch.experiments.process_vs_outcome import (
     ARMS,
@@ -54,8 +53,7 @@ def build_parser():
     """The flags: experiment, learned PRM (arm prm), and the GRPOConfig shared by every arm."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny-arith",
-                   help="base model of every run (and of the PRM trained for the prm arm)")
+    add_model_argument(p, "base model of every run (and of the PRM trained for the prm arm)")
     p.add_argument("--arms", type=choice_list(ARMS), default=DEFAULT_ARMS,
                    help="comma-separated arms: " + ", ".join(ARMS)
                    + " (see reasoning_from_scratch/experiments/process_vs_outcome.py)")
@@ -115,8 +113,7 @@ def main(argv=None):
     for name, why in PER_RUN.items():
         if getattr(args, name) != getattr(defaults, name):
             parser.error(f"--{name.replace('_', '-')} is not used here: {why}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     settings = ExperimentSettings(**{f.name: getattr(args, f.name)
                                      for f in fields(ExperimentSettings)})
     try:

@@ -20,21 +20,26 @@ from pathlib import Path
 
 import torch
 
+from reasoning_from_scratch.cli.arguments import (
+    add_model_argument,
+    add_runtime_arguments,
+    add_seed_argument,
+    set_threads,
+)
 from reasoning_from_scratch.cli.train import add_report_argument, check_report_backends
-from reasoning_from_scratch.device import device_arg, get_device
+from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.distributed import refuse_multiple_processes
 from reasoning_from_scratch.interrupts import exit_on_stop
 from reasoning_from_scratch.prm import CONFIG_FILE as PRM_CONFIG_FILE
 from reasoning_from_scratch.prm import train_prm_on_arithmetic
-from reasoning_from_scratch.validation import non_negative_int, positive_float, positive_int
+from reasoning_from_scratch.validation import positive_float, positive_int
 from reasoning_from_scratch.weights import load_pretrained
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny-arith",
-                   help="policy that writes the completions and initialises the PRM backbone")
+    add_model_argument(p, "policy that writes the completions and initialises the PRM backbone")
     p.add_argument("--labels", default="verifier", choices=("verifier", "mc"),
                    help="training labels: exact verifier, or Math-Shepherd Monte-Carlo (hard)")
     count = positive_int
@@ -49,12 +54,9 @@ def build_parser():
     p.add_argument("--epochs", type=count, default=4, help="PRM training epochs")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--batch-size", type=count, default=16, help="records per PRM update")
-    p.add_argument("--seed", type=non_negative_int, default=0,
-                   help="random seed (sampling, init, order)")
-    p.add_argument("--device", type=device_arg, default=None,
-                   help="cuda, mps or cpu (None: the best available)")
-    p.add_argument("--threads", type=non_negative_int, default=1,
-                   help="torch CPU threads (1 is fastest for the tiny model on a busy machine)")
+    add_seed_argument(p, help="random seed (sampling, init, order)")
+    add_runtime_arguments(
+        p, threads_help="torch CPU threads (1 is fastest for the tiny model on a busy machine)")
     p.add_argument("--output-dir", default=None,
                    help="where the PRM is saved (None: runs/prm-<timestamp>); must not hold a "
                         "PRM already, unless --overwrite")
@@ -74,8 +76,7 @@ def main(argv=None):
         parser.error(f"{out} already holds a PRM; pass --overwrite to replace it, or choose "
                      "another --output-dir")
     check_report_backends(parser, args.report_to)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     device = get_device(args.device)
     policy, tokenizer = load_pretrained(args.model, device=device, dtype=torch.float32)
     return train_prm_on_arithmetic(

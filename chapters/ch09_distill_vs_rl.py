@@ -20,12 +20,13 @@ import sys
 
 import torch
 
+from reasoning_from_scratch.cli.arguments import add_runtime_arguments, set_threads
 from reasoning_from_scratch.cli.distill import (
     ONE_PROCESS_ONLY,
     add_teacher_arguments,
     chapter7_teacher,
 )
-from reasoning_from_scratch.cli.train import add_runtime_arguments, load_grpo_data
+from reasoning_from_scratch.cli.train import load_grpo_data
 from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.distributed import refuse_multiple_processes
 from reasoning_from_scratch.experiments.distill_vs_rl import (
@@ -35,7 +36,12 @@ from reasoning_from_scratch.experiments.distill_vs_rl import (
 )
 from reasoning_from_scratch.interrupts import exit_on_stop
 from reasoning_from_scratch.training import DEFAULT_TRAIN_LEVEL_WEIGHTS
-from reasoning_from_scratch.validation import choice_list, positive_int, seed_list
+from reasoning_from_scratch.validation import (
+    choice_list,
+    non_negative_float,
+    positive_int,
+    seed_list,
+)
 from reasoning_from_scratch.weights import load_pretrained
 
 HELP = {
@@ -69,8 +75,8 @@ def build_parser():
             p.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false",
                            help="distillation: keep traces with a right answer even if a step "
                                 "is wrong (default: every step verified)")
-        elif isinstance(default, float):
-            p.add_argument(flag, type=float, default=default, help=HELP[name])
+        elif isinstance(default, float):  # teacher_temperature (0: greedy)
+            p.add_argument(flag, type=non_negative_float, default=default, help=HELP[name])
         else:
             p.add_argument(flag, type=positive_int, default=default, help=HELP[name])
     p.add_argument("--report-only", action="store_true",
@@ -86,8 +92,7 @@ def build_parser():
 def main(argv=None):
     refuse_multiple_processes("ch09_distill_vs_rl.py", ONE_PROCESS_ONLY)
     args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     device = get_device(args.device)
     settings = {k: getattr(args, k) for k in EXPERIMENT_DEFAULTS}
     teacher = args.teacher

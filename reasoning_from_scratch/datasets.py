@@ -317,26 +317,3 @@ def load_dataset_by_name(name, split=None, path=None, cache_dir=None, n=None, se
     if n is not None and n < 1:
         raise ValueError(f"n must be >= 1 (or None for all examples), got {n}")
     return examples if n is None else examples[:n]
-
-
-def add_dataset_arguments(parser, dataset_help="evaluation set (math = the 12k MATH training "
-                                               "problems)"):
-    """--dataset, --split, --data-path and --cache-dir: the evaluation set of a chapter script."""
-    parser.add_argument("--dataset", default="arith", choices=DATASET_NAMES, help=dataset_help)
-    parser.add_argument("--split", default=None,
-                        help="split: test/val/train for arith, test/train for gsm8k "
-                             "(None: the dataset's evaluation split)")
-    parser.add_argument("--data-path", default=None,
-                        help="local JSON/JSONL file to use instead of downloading the dataset")
-    parser.add_argument("--cache-dir", default=None,
-                        help="download cache (None: $RFS_CACHE_DIR or "
-                             "~/.cache/reasoning_from_scratch)")
-
-
-def load_examples_or_exit(dataset, split=None, path=None, cache_dir=None, n=None):
-    """The first `n` examples of the set the `add_dataset_arguments` flags name; a bad file or
-    split exits with one line (SystemExit), not a traceback."""
-    try:
-        return load_dataset_by_name(dataset, split=split, path=path, cache_dir=cache_dir, n=n)
-    except (ValueError, FileNotFoundError) as err:
-        raise SystemExit(f"error: {err}") from None

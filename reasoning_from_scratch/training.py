@@ -92,7 +92,7 @@ from .interrupts import (
     stop_signal_names,
 )
 from .plotting import plot_grpo_metrics
-from .process import VARIANTS
+from .process import VARIANTS, step_statistics
 from .process_supervision import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
@@ -112,12 +112,21 @@ from .validation import (
 )
 from .weights import save_pretrained
 
+# Process supervision: `process.step_statistics` figure -> metrics.csv column ("proc_": of the
+# reasoning steps, not the optimizer step), pooled over every completion of the step; empty in
+# outcome runs, and where a figure has nothing to average (no completion with an error step).
+PROCESS_COLUMNS = {"steps_per_completion": "proc_steps_per_completion",
+                   "step_reward_mean": "proc_step_reward_mean",
+                   "step_correct_rate": "proc_step_correct_rate",
+                   "first_error_step": "proc_first_error_step",
+                   "error_free_rate": "proc_error_free_rate"}
 METRIC_COLUMNS = [
     "step", "loss", "pg_loss", "kl", "reward_mean", "reward_std", "correct_mean", "format_mean",
     "adv_mean", "adv_std", "zero_adv_frac", "entropy", "ratio_mean", "ratio_max",
     "clip_frac_low", "clip_frac_high", "len_mean", "len_max", "truncated_frac", "grad_norm",
     "skipped", "gen_tokens", "scorer_tokens", "tokens_per_s", "rollout_s", "update_s",
     "step_time", "lr", "sampling_rounds", "tis_weight_mean", "off_policy_mask_frac",
+    *PROCESS_COLUMNS.values(),
     "eval_accuracy", "eval_format_rate", "eval_think_accuracy",
     "eval_step_correctness",
 ]
@@ -127,6 +136,8 @@ TIMING_COLUMNS = ("tokens_per_s", "rollout_s", "update_s", "step_time")
 PLOT_COLUMNS = ["reward_mean", "correct_mean", "format_mean", "eval_accuracy",
                 "eval_think_accuracy", "eval_step_correctness", "entropy", "len_mean",
                 "zero_adv_frac", "kl"]
+# ... and, in process-supervised runs, how the step scorer judged the rollouts' steps.
+PROCESS_PLOT_COLUMNS = ["proc_step_correct_rate"]
 
 # The chapter 7 default mix of difficulty levels 1-5 in the arithmetic training problems: more of
 # the levels where the base model still errs, where a group's rollouts disagree and RL has a
@@ -385,7 +396,8 @@ def global_totals(batch) -> tuple[int, float]:
 
 
 def rollout_metrics(batch: RolloutBatch, reward_names):
-    """Reward, advantage and length statistics of a step's rollouts (all groups)."""
+    """Reward, advantage and length statistics of a step's rollouts (all groups); step
+    statistics too under process supervision (`process_metrics`)."""
     r = batch.rewards.flatten()
     adv = torch.tensor([s["advantage"] for s in batch.samples])
     lengths = torch.tensor([s["length"] for s in batch.samples], dtype=torch.float32)
@@ -398,7 +410,26 @@ def rollout_metrics(batch: RolloutBatch, reward_names):
     }
     for name in reward_names:
         out[f"{name}_mean"] = sum(s.get(name, 0.0) for s in batch.samples) / len(batch.samples)
-    return out
+    return {**out, **process_metrics(batch.samples)}
+
+
+def process_metrics(samples: list[dict]) -> dict:
+    """The PROCESS_COLUMNS cells of a step: `step_statistics` of the step rewards of all its
+    completions together ({} when none has any: outcome supervision). The samples are the whole
+    step's, gathered from every process and sampling round, so a data-parallel run logs what one
+    process would; ProcessAdvantageFn.last_stats, by contrast, averages per-group figures of one
+    call on one process."""
+    rewards = [s["step_rewards"] for s in samples if "step_rewards" in s]
+    if not rewards:
+        return {}
+    stats = step_statistics(rewards)
+    return {col: stats[k] for k, col in PROCESS_COLUMNS.items() if not math.isnan(stats[k])}
+
+
+def plot_columns(config) -> list[str]:
+    """The metrics.png panels of a run: PLOT_COLUMNS, plus PROCESS_PLOT_COLUMNS when process
+    supervised."""
+    return PLOT_COLUMNS + (PROCESS_PLOT_COLUMNS if config.supervision == "process" else [])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -565,7 +596,7 @@ class _Run:
     def plot(self):
         """Rank 0: metrics.png redrawn from metrics.csv (a run stopped early keeps its picture)."""
         if self.main:
-            plot_grpo_metrics(self.out / "metrics.csv", PLOT_COLUMNS,
+            plot_grpo_metrics(self.out / "metrics.csv", plot_columns(self.config),
                               save_as=self.out / "metrics.png")
 
     def checkpoint(self, name=None):
@@ -730,7 +761,7 @@ def _finish(run, evaluate_now, interrupted, hook, eval_examples, t_start):
         run.log_eval(final)
         run.checkpoint("final")
         summary = _summary(run, final, eval_examples, time.time() - t_start)
-        run_on_main(_write_summary, run.out, summary)
+        run_on_main(_write_summary, run.out, summary, plot_columns(run.config))
         run.tracker.close()
     return final, summary
 
@@ -783,10 +814,10 @@ def _prepare_new_run_dir(out, overwrite):
     check_new_run_dir(out)
 
 
-def _write_summary(out, summary):
-    """summary.json and metrics.png (rank 0)."""
+def _write_summary(out, summary, columns):
+    """summary.json and metrics.png of `columns` (rank 0)."""
     atomic_write_json(out / "summary.json", summary)
-    plot_grpo_metrics(out / "metrics.csv", PLOT_COLUMNS, save_as=out / "metrics.png")
+    plot_grpo_metrics(out / "metrics.csv", columns, save_as=out / "metrics.png")
 
 
 def _stop_if_interrupted(interrupted):
@@ -1004,7 +1035,8 @@ def _row_line(row):
     """One printed line per step."""
     keys = [("reward_mean", "reward"), ("correct_mean", "correct"), ("format_mean", "format"),
             ("loss", "loss"), ("kl", "kl"), ("entropy", "entropy"), ("len_mean", "len"),
-            ("zero_adv_frac", "zero_adv"), ("step_time", "s")]
+            ("zero_adv_frac", "zero_adv"), ("proc_step_correct_rate", "steps_ok"),
+            ("step_time", "s")]
     parts = [f"step {row['step']}"] + [f"{name} {row[k]:.3f}" for k, name in keys
                                        if isinstance(row.get(k), float)]
     return " | ".join(parts)

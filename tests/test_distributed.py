@@ -170,6 +170,15 @@ def _rows(run_dir):
             for r in read_metrics(run_dir / "metrics.csv")]
 
 
+def _ch07_main():
+    """chapters/ch07_train.py's `main`, run in this process (the one-process run)."""
+    spec = importlib.util.spec_from_file_location("ch07_train",
+                                                  ROOT / "chapters" / "ch07_train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.main
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The same 3 steps by two processes (torchrun, reporting to TensorBoard when it is
@@ -179,13 +188,9 @@ def runs(tmp_path_factory):
     report = ["--report-to", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
     proc, writes = _torchrun(tmp, two, ["--output-dir", str(two), *FLAGS, *report])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    spec = importlib.util.spec_from_file_location("ch07_train",
-                                                  ROOT / "chapters" / "ch07_train.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     threads = torch.get_num_threads()
     try:
-        script.main(["--output-dir", str(one), *FLAGS])
+        _ch07_main()(["--output-dir", str(one), *FLAGS])
     finally:
         torch.set_num_threads(threads)
     return {"tmp": tmp, "two": two, "one": one, "writes": writes, "stdout": proc.stdout}
@@ -293,6 +298,32 @@ def test_sigterm_to_torchrun_stops_every_rank_with_a_checkpoint_that_resumes(run
     w, w_straight = _weights(out), _weights(runs["two"])
     assert all(torch.equal(w[k], w_straight[k]) for k in w)
     assert _rows(out) == _rows(runs["two"])
+
+
+def test_two_processes_log_the_one_process_step_statistics(tmp_path):
+    """Process supervision (verifier steps) with dynamic sampling: each process scores its own
+    groups, and the proc_ columns come from the gathered samples, so they are the one-process
+    run's."""
+    flags = ["--steps", "2", "--prompts-per-step", "4", "--num-rollouts", "4",
+             "--max-new-tokens", "48", "--eval-examples", "2", "--eval-every", "0",
+             "--eval-batch-size", "2", "--train-examples", "32", "--train-level-weights",
+             "1,1,0,0,0", "--sample-every", "1", "--lr", "1e-3", "--warmup-steps", "0",
+             "--supervision", "process", "--step-scorer", "verifier", "--dynamic-sampling",
+             "--threads", "1", "--device", "cpu", "--no-progress"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    proc, _ = _torchrun(tmp_path, two, ["--output-dir", str(two), *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    threads = torch.get_num_threads()
+    try:
+        _ch07_main()(["--output-dir", str(one), *flags])
+    finally:
+        torch.set_num_threads(threads)
+    columns = [*training.PROCESS_COLUMNS.values(), *REWARD_COLUMNS]
+    rows1, rows2 = _rows(one), _rows(two)
+    assert [{c: r[c] for c in columns} for r in rows2] == \
+        [{c: r[c] for c in columns} for r in rows1]
+    assert all(0.0 <= r["proc_step_correct_rate"] <= 1.0 for r in rows2)
+    assert any(r["sampling_rounds"] > 1 for r in rows2)  # groups of several rounds pooled
 
 
 # ----------------------------------------------------------------------------------------------

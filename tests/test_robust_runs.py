@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from reasoning_from_scratch import checkpoints, training
+from reasoning_from_scratch import checkpoints, files, training
 from reasoning_from_scratch.checkpoints import (
     CheckpointWriteError,
     checkpoint_problem,
     find_checkpoint,
 )
 from reasoning_from_scratch.interrupts import StopSignal, defer_interrupts
-from reasoning_from_scratch.run_log import read_metrics
+from reasoning_from_scratch.run_log import MetricsLog, read_metrics, truncate_samples
 from reasoning_from_scratch.training import TIMING_COLUMNS, GRPOConfig, train_grpo
 from reasoning_from_scratch.weights import load_pretrained, save_pretrained
 
@@ -365,3 +365,76 @@ def test_ch03_on_an_empty_file_says_so(tmp_path):
     empty.write_text("")
     with pytest.raises(SystemExit, match="empty.jsonl: the dataset holds no examples"):
         _script("ch03_evaluate").main(["--data-path", str(empty), "--dataset", "math500"])
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics.csv and samples.jsonl when a write is cut short
+# ---------------------------------------------------------------------------------------------
+
+COLUMNS = ["step", "loss", "eval_accuracy"]
+
+
+def test_metrics_row_cut_short_mid_write_leaves_the_previous_file(tmp_path, monkeypatch):
+    """A kill while metrics.csv is written (here: half the bytes, then KeyboardInterrupt) leaves
+    the file as it was, whole rows only; the row is written in full when the step is redone."""
+    path = tmp_path / "metrics.csv"
+    log = MetricsLog(path, COLUMNS)
+    log.append({"step": 1, "loss": 0.5})
+    log.append({"step": 2, "loss": 0.25})
+    log.patch_last_row({"eval_accuracy": 0.75})
+    before = path.read_bytes()
+
+    class HalfWritten:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            raise KeyboardInterrupt  # the kill arrives mid-write
+
+    real_open = open
+    monkeypatch.setattr(files, "open", lambda *a, **k: HalfWritten(real_open(*a, **k)),
+                        raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        log.append({"step": 3, "loss": 0.125})
+    with pytest.raises(KeyboardInterrupt):
+        log.patch_last_row({"eval_accuracy": 0.0})
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.csv"]  # no temp file left over
+    log.append({"step": 3, "loss": 0.125})
+    assert read_metrics(path) == [
+        {"step": 1.0, "loss": 0.5, "eval_accuracy": None},
+        {"step": 2.0, "loss": 0.25, "eval_accuracy": 0.75},
+        {"step": 3.0, "loss": 0.125, "eval_accuracy": None}]
+
+
+def test_a_truncated_last_metrics_line_is_dropped_with_a_warning(tmp_path):
+    """A file from an append cut short (before writes were atomic): the cut-off row of step 13
+    reads "1", which must not come back as a second step 1 on resume after step 2."""
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,loss,eval_accuracy\r\n1,0.5,\r\n2,0.25,0.75\r\n1", newline="")
+    with pytest.warns(UserWarning, match="metrics.csv: dropped a truncated last line"):
+        assert [r["step"] for r in read_metrics(path)] == [1.0, 2.0]
+    with pytest.warns(UserWarning, match="truncated"):
+        log = MetricsLog(path, COLUMNS, keep_upto=2)
+    assert path.read_text() == "step,loss,eval_accuracy\n1,0.5,\n2,0.25,0.75\n"
+    log.append({"step": 3, "loss": 0.125})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a whole file reads without a warning
+        assert [r["step"] for r in read_metrics(path)] == [1.0, 2.0, 3.0]
+
+
+def test_truncate_samples_drops_a_half_written_last_line(tmp_path):
+    path = tmp_path / "samples.jsonl"
+    path.write_text('{"step": 1, "text": "a"}\n{"step": 2, "text": "b"}\n{"step": 3, "te')
+    with pytest.warns(UserWarning, match="samples.jsonl: dropped a truncated last line"):
+        truncate_samples(path, 2)
+    assert path.read_text() == '{"step": 1, "text": "a"}\n{"step": 2, "text": "b"}\n'

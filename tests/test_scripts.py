@@ -254,6 +254,14 @@ def test_bench_checkpoint_tiny_run():
     assert out["run"]["off_s_per_step"] > 0 and out["run"]["every_step_s_per_step"] > 0
 
 
+def test_bench_metrics_log_tiny_run():
+    out = _script_main("benchmarks/bench_metrics_log.py", "bench_metrics_log")(
+        ["--rows", "20", "--window", "5"])
+    assert out["rows"] == 20 and out["bytes"] > 20 * 40  # 20 rows of 40-odd cells
+    assert sorted(out["at"]) == [2, 10, 20]
+    assert all(r["append_ms"] > 0 and r["patch_ms"] > 0 for r in out["at"].values())
+
+
 def test_bench_inference_scaling_tiny_run():
     main = _script_main("benchmarks/bench_inference_scaling.py", "bench_inference_scaling")
     threads = torch.get_num_threads()

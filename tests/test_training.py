@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,18 @@ from reasoning_from_scratch.grpo import (
     compute_grpo_loss,
     grpo_loss_on_batch,
 )
+from reasoning_from_scratch.process import step_statistics
 from reasoning_from_scratch.process_supervision import make_process_advantage_fn
 from reasoning_from_scratch.qwen3 import Qwen3Model
 from reasoning_from_scratch.run_log import read_metrics
-from reasoning_from_scratch.training import TIMING_COLUMNS, GRPOConfig, train_grpo
+from reasoning_from_scratch.step_scorers import CallableStepScorer
+from reasoning_from_scratch.training import (
+    PROCESS_COLUMNS,
+    TIMING_COLUMNS,
+    GRPOConfig,
+    process_metrics,
+    train_grpo,
+)
 from reasoning_from_scratch.weights import load_pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,11 +125,70 @@ def test_resume_continues_exactly(tiny_dir, tmp_path, even_reward):
     summary = _run(tiny_dir, second, even_reward, resume_from=first.output_dir)
     rows_resumed = read_metrics(Path(second.output_dir) / "metrics.csv")
     assert _strip_timing(rows_resumed) == _strip_timing(rows_straight)
+    # an outcome run scores no steps: its process columns stay empty
+    assert all(r[c] is None for r in rows_straight for c in PROCESS_COLUMNS.values())
     a = load_pretrained(Path(straight.output_dir) / "final", device="cpu")[0].state_dict()
     b = load_pretrained(Path(second.output_dir) / "final", device="cpu")[0].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert set(summary) >= {"base_accuracy", "final_accuracy", "base_format_rate",
                             "final_format_rate", "steps", "wall_seconds"}
+
+
+def test_process_metrics_hand_computed():
+    """Pooled over completions: 5 steps, 4 judged correct; one completion errs, at its step 2."""
+    samples = [{"step_rewards": [1.0, 0.0, 1.0]}, {"step_rewards": [1.0, 1.0]},
+               {"step_rewards": []}]
+    assert process_metrics(samples) == pytest.approx({
+        "proc_steps_per_completion": 5 / 3, "proc_step_reward_mean": 4 / 5,
+        "proc_step_correct_rate": 4 / 5, "proc_first_error_step": 2.0,
+        "proc_error_free_rate": 2 / 3})
+    # no erring completion: no first error step to average, the cell stays empty
+    assert "proc_first_error_step" not in process_metrics(samples[1:])
+    assert process_metrics([{"reward": 1.0}]) == {}  # outcome supervision
+
+
+def _even_length_steps(prompt, step):
+    """Step reward 1 for a step of even length, else 0: a mix of judgements on random text."""
+    return float(len(step) % 2 == 0)
+
+
+def _process_run(tiny_dir, config, reward_fn, resume_from=None):
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    adv_fn = make_process_advantage_fn(tok, CallableStepScorer(_even_length_steps),
+                                       split_mode="newlines")
+    return train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", config, resume_from=resume_from,
+                      reward_fn=reward_fn, advantage_fn=adv_fn)
+
+
+def test_process_run_logs_step_statistics_and_resumes(tiny_dir, tmp_path, even_reward):
+    """Each row's proc_ columns are `step_statistics` of that step's step rewards (samples.jsonl);
+    a run stopped after step 2 and resumed writes the same rows."""
+    kw = dict(supervision="process", max_new_tokens=12, inner_epochs=1, beta=0.0, steps=3)
+    straight = _config(tmp_path / "a", **kw)
+    _process_run(tiny_dir, straight, even_reward)
+    out = Path(straight.output_dir)
+    rows = read_metrics(out / "metrics.csv")
+    samples = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        step_rewards = [s["step_rewards"] for s in samples if s["step"] == row["step"]]
+        assert len(step_rewards) == 2 * 4  # every completion of the step was scored
+        stats = step_statistics(step_rewards)
+        for k, col in PROCESS_COLUMNS.items():
+            if math.isnan(stats[k]):
+                assert row[col] is None
+            else:
+                assert row[col] == pytest.approx(stats[k], rel=1e-5), col
+        assert 0.0 <= row["proc_step_correct_rate"] <= 1.0
+    assert any(0.0 < r["proc_step_correct_rate"] < 1.0 for r in rows)  # not a constant
+    assert (out / "metrics.png").is_file()
+
+    first = _config(tmp_path / "b", **{**kw, "steps": 2}, checkpoint_every=2)
+    _process_run(tiny_dir, first, even_reward)
+    second = _config(tmp_path / "b", **kw)
+    _process_run(tiny_dir, second, even_reward, resume_from=first.output_dir)
+    resumed = read_metrics(Path(second.output_dir) / "metrics.csv")
+    assert _strip_timing(resumed) == _strip_timing(rows)
 
 
 def _load_script(name):

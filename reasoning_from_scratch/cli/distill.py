@@ -45,12 +45,12 @@ from ..evaluation import evaluate_policy
 from ..files import atomic_write_json, read_json
 from ..interrupts import exit_status
 from ..training import GRPOConfig
-from ..validation import arg_type, non_negative_float, positive_int, probability_float
+from ..validation import arg_type, positive_int
 from ..weights import load_pretrained
+from .arguments import add_runtime_arguments, add_sampling_arguments, set_threads
 from .train import (
     add_data_arguments,
     add_report_argument,
-    add_runtime_arguments,
     check_report_backends,
     load_grpo_data,
     run_cli,
@@ -98,12 +98,11 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--no-check-steps", dest="check_steps", action="store_false",
                    help="keep traces with a right answer even if an arithmetic step is wrong "
                         "(default: the step verifier must accept every step where one exists)")
-    p.add_argument("--teacher-temperature", type=non_negative_float, default=1.0,
-                   help="teacher sampling temperature")
-    p.add_argument("--teacher-top-p", type=probability_float, default=1.0,
-                   help="teacher nucleus-sampling threshold")
-    p.add_argument("--max-new-tokens", type=positive_int, default=112,
-                   help="maximum tokens of a teacher solution (truncated ones are dropped)")
+    add_sampling_arguments(p, prefix="teacher_", temperature=1.0, top_p=1.0,
+                           helps={"temperature": "teacher sampling temperature",
+                                  "top_p": "teacher nucleus-sampling threshold"})
+    add_sampling_arguments(p, max_new_tokens=112, helps={
+        "max_new_tokens": "maximum tokens of a teacher solution (truncated ones are dropped)"})
     p.add_argument("--prompts-per-batch", type=positive_int, default=64,
                    help="training problems decoded together when sampling the teacher")
     defaults = DistillConfig()
@@ -130,7 +129,7 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def chapter7_teacher(run_dir=TEACHER_RUN_DIR, threads: int = 1, device=None) -> Path:
+def chapter7_teacher(run_dir=TEACHER_RUN_DIR, threads: int | None = 1, device=None) -> Path:
     """The chapter 7 trained model (run_dir/final), trained with chapter 7's defaults if absent.
 
     An interrupted earlier training is resumed from its checkpoint, not restarted.
@@ -232,7 +231,7 @@ class DistillRun:
     data: dict  # teacher, student, traces and data settings (saved in data.json)
     checkpoint: str | Path | None = None  # resume from this checkpoint
     device: str | None = None
-    threads: int = 1
+    threads: int | None = 1  # torch CPU threads (0 or None: torch's default)
     dtype: str = "float32"
     overwrite: bool = False
 
@@ -257,8 +256,7 @@ def run_distill_cli(argv, description: str) -> dict:
 def run_distillation(run: DistillRun) -> dict:
     """Get teacher and traces, distil into the student; returns the summary."""
     config, data, ckpt = run.config, run.data, run.checkpoint
-    if run.threads:
-        torch.set_num_threads(run.threads)
+    set_threads(run.threads)
     t0 = time.time()
     out = Path(config.output_dir)
     device = get_device(run.device)

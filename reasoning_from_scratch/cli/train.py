@@ -37,7 +37,7 @@ from ..checkpoints import (
     run_dir_of,
 )
 from ..datasets import DATASET_NAMES, load_dataset_by_name
-from ..device import check_device, device_arg, get_device
+from ..device import check_device, get_device
 from ..distributed import (
     env_world_size,
     init_distributed,
@@ -50,8 +50,9 @@ from ..files import atomic_write_json, read_json
 from ..interrupts import exit_status
 from ..tracking import REPORT_CHOICES, missing_backend, report_targets
 from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
-from ..validation import arg_type, at_least, optional_positive_int
+from ..validation import arg_type, optional_positive_int
 from ..weights import load_pretrained
+from .arguments import add_model_argument, add_runtime_arguments, set_threads
 
 # Help, range and choices of every GRPOConfig field live in its metadata (training.py)
 CONFIG_HELP = {f.name: f.metadata["help"] for f in fields(GRPOConfig)}
@@ -120,24 +121,11 @@ def add_data_arguments(parser):
                              "the held-out splits)")
 
 
-def add_runtime_arguments(parser, threads_default=1):
-    """--device (checked against this torch) and --threads, shared by the training scripts."""
-    parser.add_argument("--device", type=device_arg, default=None,
-                        help="cuda, mps or cpu (None: the best available)")
-    parser.add_argument("--threads", type=arg_type(int, at_least(0)), default=threads_default,
-                        help="torch CPU threads (0: torch's default). One thread is fastest for "
-                             "the tiny model, whose matrices are too small to split, and it "
-                             "stays fast on a busy machine, where spinning worker threads of "
-                             "several processes slowed a rollout batch 90-fold in our "
-                             "measurements")
-
-
 def build_parser(description, defaults: GRPOConfig, run_prefix):
     """The chapter scripts' parser: model, data, device, resume, and every GRPOConfig field."""
     p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny-arith",
-                   help="bundled model name, local Hugging Face-layout directory or hub repo id")
+    add_model_argument(p)
     p.add_argument("--dataset", default="arith", choices=DATASET_NAMES,
                    help="arith: train on the train split, evaluate on --eval-split; math: MATH "
                         "train / MATH-500; gsm8k: train / test")
@@ -251,7 +239,7 @@ class TrainRun:
     model_source: str  # model name / directory, or the checkpoint resumed
     checkpoint: str | Path | None = None  # resume from this checkpoint
     device: str | None = None
-    threads: int = 1
+    threads: int | None = 1  # torch CPU threads (0 or None: torch's default)
     dtype: str = "float32"
     overwrite: bool = False
 
@@ -270,8 +258,7 @@ def parse_train_args(argv, description, defaults: GRPOConfig, run_prefix) -> Tra
 def run_training(run: TrainRun):
     """Load model and data and run `train_grpo` (data-parallel under torchrun); returns the
     summary."""
-    if run.threads:
-        torch.set_num_threads(run.threads)
+    set_threads(run.threads)
     try:
         device = init_distributed(get_device(run.device))  # a no-op without torchrun
     except ValueError as err:  # e.g. torchrun on an MPS device: argparse's message and status
