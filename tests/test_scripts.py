@@ -262,6 +262,17 @@ def test_bench_metrics_log_tiny_run():
     assert all(r["append_ms"] > 0 and r["patch_ms"] > 0 for r in out["at"].values())
 
 
+def test_bench_mc_scorer_tiny_run():
+    main = _script_main("benchmarks/bench_mc_scorer.py", "bench_mc_scorer")
+    out = main(["--prompts", "2", "--num-rollouts", "3", "--max-new-tokens", "24", "--k", "2",
+                "--device", "cpu"])
+    text, branch = out["results"]["mc-k2"], out["results"]["mc-branch-k2"]
+    assert out["rollout_tokens"] > 0
+    # the group's own completions are samples too: never more continuations than mc's
+    assert branch["mc_rollouts"] <= text["mc_rollouts"]
+    assert branch["mc_reused"] > 0 and "mc_prefill_tokens" in branch
+
+
 def test_bench_inference_scaling_tiny_run():
     main = _script_main("benchmarks/bench_inference_scaling.py", "bench_inference_scaling")
     threads = torch.get_num_threads()
