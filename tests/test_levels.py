@@ -40,9 +40,13 @@ def test_level_table_uses_the_reference_mix():
     # The reference answers level 1 in the think format only; the other arm both levels.
     ref = {"1": _lv(0.5, 0.9, 0.9, 10), "2": _lv(0.0, None, None, 0)}
     other = {"1": _lv(1.0, 0.95, 0.9, 20), "2": _lv(1.0, 0.5, 0.2, 20)}
-    lines = level_table({"outcome": [ref], "x": [other]}, {"x": "arm x"}, "outcome")
+    base = {"1": _lv(0.5, 0.8, 0.8, 10), "2": _lv(0.5, 0.4, 0.1, 30)}
+    lines = level_table({"outcome": [ref], "x": [other]}, {"x": "arm x"}, "outcome", base)
     rows = [line for line in lines if line.startswith("| ")]
     assert rows[0].startswith("| supervision | level 1") and "outcome's mix" in rows[0]
-    # overall the other arm's steps are worse (0.725), at the reference's mix better (0.95)
-    assert rows[-1] == ("| arm x | 1.00 / 0.950 | 1.00 / 0.500 | 0.950 | 0.900 |")
+    assert rows[1].startswith("| base model | 0.50 / 0.800 | 0.50 / 0.400 |")
+    # Overall the other arm's steps are worse than the reference's (0.725 vs 0.9); at the
+    # reference's mix (level 1 only) better, 0.95; at the base's mix 1:3,
+    # (0.95 + 3 * 0.5) / 4 = 0.6125.
+    assert rows[-1] == "| arm x | 1.00 / 0.950 | 1.00 / 0.500 | 0.950 | 0.900 | 0.613 |"
     assert level_table({"x": [other]}, {}, "outcome") == []

@@ -75,24 +75,30 @@ def at_mix(levels: dict, mix: dict, figure: str = "step_correctness") -> float:
 def level_table(by_arm: dict[str, list[dict]], labels: dict, reference: str,
                 base: dict | None = None) -> list[str]:
     """Markdown lines: think rate and step correctness per level of each arm (mean over seeds),
-    and step correctness / think accuracy at the reference arm's mix of think answers."""
+    then step correctness and think accuracy at the reference arm's mix of think answers (and
+    step correctness at the base model's mix, given `base`)."""
     means = {arm: mean_levels(runs) for arm, runs in by_arm.items() if runs}
     if reference not in means:
         return []
     mix = {lv: f["think_answers"] for lv, f in means[reference].items()}
+    base_mix = ({lv: f["think_answers"] for lv, f in mean_levels([base]).items()}
+                if base else None)
     levels = list(mix)
     rows = ([("base model", mean_levels([base]))] if base else []) + [
         (labels.get(arm, arm), m) for arm, m in means.items()]
+    name = labels.get(reference, reference)
     head = ("| supervision | " + " | ".join(f"level {lv}: think rate / step corr." for lv in levels)
-            + f" | step corr. at {labels.get(reference, reference)}'s mix | think acc. at "
-            "that mix |")
-    lines = [head, "|---" * (len(levels) + 3) + "|"]
+            + f" | step corr. at {name}'s mix | think acc. at {name}'s mix |"
+            + (" step corr. at the base model's mix |" if base_mix else ""))
+    lines = [head, "|---" * (len(levels) + 3 + bool(base_mix)) + "|"]
     for label, m in rows:
         cells = [f"{format_value(m[lv]['think_rate'], 2)} / "
                  f"{format_value(m[lv]['step_correctness'])}" if lv in m else "n/a"
                  for lv in levels]
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {format_value(at_mix(m, mix))} | "
-                     f"{format_value(at_mix(m, mix, 'think_accuracy'))} |")
+        cells += [format_value(at_mix(m, mix)), format_value(at_mix(m, mix, "think_accuracy"))]
+        if base_mix:
+            cells.append(format_value(at_mix(m, base_mix)))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return ["", "Final models level by level (held-out problems of each level; mean over seeds; "
-            f"the mix: {reference}'s think-format answers per level, mean over its seeds):", "",
-            *lines]
+            f"a mix: the think-format answers per level of {name} (mean over its seeds) or of "
+            "the base model, as weights of the per-level figures):", "", *lines]
