@@ -110,8 +110,9 @@ def per_level_accuracy(records):
 
 
 def per_level_reasoning(records):
-    """{level: figures} of records that carry a level: accuracy, think-format rate, the number
-    of think-format answers and `reasoning_stats`, each over that level's records only.
+    """{level: figures} of records that carry a level: accuracy, think-format rate, the numbers
+    of think-format answers and of their verified steps, and `reasoning_stats`, each over that
+    level's records only.
 
     Comparing two policies level by level separates how well they reason from which problems
     they answer in the think format (a policy that uses it on harder levels too has a lower
@@ -120,9 +121,12 @@ def per_level_reasoning(records):
     out = {}
     for level in sorted({r["level"] for r in records if r.get("level") is not None}):
         rs = [r for r in records if r.get("level") == level]
-        think = sum(has_think_format(r["generated_text"]) for r in rs)
+        think = [r for r in rs if has_think_format(r["generated_text"])]
+        verdicts = [step_verdicts(r["problem"], r["generated_text"]) for r in think]
         out[level] = {"accuracy": sum(r["correct"] for r in rs) / len(rs),
-                      "think_rate": think / len(rs), "think_answers": think,
+                      "think_rate": len(think) / len(rs), "think_answers": len(think),
+                      # the steps behind step_correctness (its weight in the overall figure)
+                      "think_steps": sum(len(v) for v in verdicts if v is not None),
                       **reasoning_stats(rs)}
     return out
 

@@ -152,6 +152,7 @@ def test_reasoning_stats_hand_built():
     levels = evaluation.per_level_reasoning(records)
     assert sorted(levels) == [1, 3]
     assert levels[3]["think_rate"] == 1.0 and levels[3]["think_answers"] == 4
+    assert levels[3]["think_steps"] == 12 and levels[1]["think_steps"] == 0
     assert levels[3]["step_correctness"] == pytest.approx(8 / 12)
     assert levels[3]["think_accuracy"] == pytest.approx(2 / 4)
     # level 1's only answer is not in the think format: no think figures

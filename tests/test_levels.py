@@ -7,9 +7,10 @@ import pytest
 from reasoning_from_scratch.experiments.levels import at_mix, level_table, mean_levels
 
 
-def _lv(think_rate, step_correctness, think_accuracy, think_answers):
+def _lv(think_rate, step_correctness, think_accuracy, think_answers, steps_each=1):
     return {"think_rate": think_rate, "step_correctness": step_correctness,
-            "think_accuracy": think_accuracy, "think_answers": think_answers}
+            "think_accuracy": think_accuracy, "think_answers": think_answers,
+            "think_steps": think_answers * steps_each}
 
 
 # Two seeds of an arm; level 2 of seed 1 has no think answers (its figures are None).
@@ -39,14 +40,16 @@ def test_at_mix_reweights_levels():
 def test_level_table_uses_the_reference_mix():
     # The reference answers level 1 in the think format only; the other arm both levels.
     ref = {"1": _lv(0.5, 0.9, 0.9, 10), "2": _lv(0.0, None, None, 0)}
-    other = {"1": _lv(1.0, 0.95, 0.9, 20), "2": _lv(1.0, 0.5, 0.2, 20)}
-    base = {"1": _lv(0.5, 0.8, 0.8, 10), "2": _lv(0.5, 0.4, 0.1, 30)}
+    other = {"1": _lv(1.0, 0.95, 0.9, 20), "2": _lv(1.0, 0.5, 0.2, 20, steps_each=2)}
+    # the base: 10 think answers of 1 step at level 1, 10 of 3 steps at level 2 -> steps 1 : 3
+    base = {"1": _lv(0.5, 0.8, 0.8, 10), "2": _lv(0.5, 0.4, 0.1, 10, steps_each=3)}
     lines = level_table({"outcome": [ref], "x": [other]}, {"x": "arm x"}, "outcome", base)
     rows = [line for line in lines if line.startswith("| ")]
     assert rows[0].startswith("| supervision | level 1") and "outcome's mix" in rows[0]
     assert rows[1].startswith("| base model | 0.50 / 0.800 | 0.50 / 0.400 |")
-    # Overall the other arm's steps are worse than the reference's (0.725 vs 0.9); at the
-    # reference's mix (level 1 only) better, 0.95; at the base's mix 1:3,
-    # (0.95 + 3 * 0.5) / 4 = 0.6125.
+    # At its own mix the reference gets its own figures back (0.900, 0.900). The other arm is
+    # worse overall (0.95 * 20 + 0.5 * 40) / 60 = 0.65, better at the reference's mix (level 1
+    # only): 0.95; at the base's step mix 1 : 3, (0.95 + 3 * 0.5) / 4 = 0.6125.
+    assert rows[2] == "| outcome | 0.50 / 0.900 | 0.00 / n/a | 0.900 | 0.900 | 0.900 |"
     assert rows[-1] == "| arm x | 1.00 / 0.950 | 1.00 / 0.500 | 0.950 | 0.900 | 0.613 |"
     assert level_table({"x": [other]}, {}, "outcome") == []

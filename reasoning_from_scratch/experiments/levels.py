@@ -58,14 +58,15 @@ def _mean(values):
 def mean_levels(runs: list[dict]) -> dict[str, dict[str, float]]:
     """Per level, each figure's mean over runs (runs without think answers there are skipped)."""
     levels = sorted({lv for run in runs for lv in run}, key=int)
-    keys = (*FIGURES, "think_answers")
+    keys = (*FIGURES, "think_answers", "think_steps")
     return {lv: {k: _mean([run[lv].get(k) for run in runs if lv in run]) for k in keys}
             for lv in levels}
 
 
 def at_mix(levels: dict, mix: dict, figure: str = "step_correctness") -> float:
-    """`figure` averaged over levels with weights `mix` {level: weight} (e.g. the reference's
-    think answers per level); levels where the arm has no value are left out."""
+    """`figure` averaged over levels with weights `mix` {level: weight} (the reference's think
+    steps per level for step correctness, its think answers for think accuracy: the weights
+    that make a run's own figures come back); levels where the arm has no value are left out."""
     pairs = [(mix[lv], levels[lv][figure]) for lv in mix
              if lv in levels and not math.isnan(levels[lv][figure])]
     total = sum(w for w, _ in pairs)
@@ -80,9 +81,13 @@ def level_table(by_arm: dict[str, list[dict]], labels: dict, reference: str,
     means = {arm: mean_levels(runs) for arm, runs in by_arm.items() if runs}
     if reference not in means:
         return []
-    mix = {lv: f["think_answers"] for lv, f in means[reference].items()}
-    base_mix = ({lv: f["think_answers"] for lv, f in mean_levels([base]).items()}
-                if base else None)
+
+    def mixes(m):  # (step weights, answer weights) of one arm's think answers
+        return ({lv: f["think_steps"] for lv, f in m.items()},
+                {lv: f["think_answers"] for lv, f in m.items()})
+
+    mix, answer_mix = mixes(means[reference])
+    base_mix = mixes(mean_levels([base]))[0] if base else None
     levels = list(mix)
     rows = ([("base model", mean_levels([base]))] if base else []) + [
         (labels.get(arm, arm), m) for arm, m in means.items()]
@@ -95,10 +100,12 @@ def level_table(by_arm: dict[str, list[dict]], labels: dict, reference: str,
         cells = [f"{format_value(m[lv]['think_rate'], 2)} / "
                  f"{format_value(m[lv]['step_correctness'])}" if lv in m else "n/a"
                  for lv in levels]
-        cells += [format_value(at_mix(m, mix)), format_value(at_mix(m, mix, "think_accuracy"))]
+        cells += [format_value(at_mix(m, mix)),
+                  format_value(at_mix(m, answer_mix, "think_accuracy"))]
         if base_mix:
             cells.append(format_value(at_mix(m, base_mix)))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return ["", "Final models level by level (held-out problems of each level; mean over seeds; "
-            f"a mix: the think-format answers per level of {name} (mean over its seeds) or of "
-            "the base model, as weights of the per-level figures):", "", *lines]
+            f"a mix: the per-level figures weighted by the think-format steps (step correctness) "
+            f"or answers (think accuracy) per level of {name}, mean over its seeds, or of the "
+            "base model):", "", *lines]

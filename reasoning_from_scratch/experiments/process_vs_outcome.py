@@ -98,6 +98,7 @@ ARMS = {
     # outcome-anchored forms (process.anchored_credit)
     "first-error": ("verifier", "first-error"), "progress": ("verifier", "progress"),
     "progress-think": ("verifier-think", "progress"),
+    "first-error-think": ("verifier-think", "first-error"),
     "prm-clip": ("prm", "clip"), "prm-delta": ("prm", "delta"), "prm-pure": ("prm", "pure"),
     "prm-progress": ("prm", "progress"), "mc-delta": ("mc", "value-delta"),
     # VinePPO values from the group itself plus continuations branched from the rollouts' caches
@@ -120,6 +121,7 @@ LABELS = {
     "first-error": "outcome + first-error penalty (verifier)",
     "progress": "outcome + progress (verifier)",
     "progress-think": "outcome + progress (verifier, think-format steps only)",
+    "first-error-think": "outcome + first-error penalty (verifier, think-format steps only)",
     "prm-clip": "outcome + clip form (PRM)", "prm-delta": "outcome + delta form (PRM)",
     "prm-pure": "PURE min form (PRM)", "prm-progress": "outcome + progress (PRM)",
     "mc-delta": "outcome + MC value differences",
@@ -132,6 +134,7 @@ LABELS = {
 COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm": "tab:orange",
           "verifier+outcome": "tab:olive", "mc+outcome": "tab:purple",
           "first-error": "tab:gray", "progress": "tab:cyan", "progress-think": "teal",
+          "first-error-think": "dimgray",
           "prm-clip": "tab:pink",
           "prm-delta": "tab:brown", "prm-pure": "gold", "prm-progress": "darkorange",
           "mc-delta": "darkred", "vine": "firebrick", "vine-k2": "salmon",
