@@ -602,7 +602,7 @@ def branch_continuations(
     Every sequence is prefilled once, up to its longest cut (`prefill_rows`); each continuation
     then starts from a copy of that cache cut to n - 1 slots (`gather_cache_rows`) and feeds the
     prefix's last token, so a prefix is never recomputed however many continuations or step
-    boundaries share it (the tree of VinePPO's Monte-Carlo values, arXiv 2410.01679, section 4,
+    boundaries share it (the tree of VinePPO's Monte-Carlo values, arXiv 2410.01679,
     branches from one computed trunk). `max_new_tokens`: one budget, or one per cut (rows are
     batched by budget, so a short budget does not wait for long ones). Returns `Branches`.
     """

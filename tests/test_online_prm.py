@@ -3,8 +3,8 @@ outcome-anchored forms: labels, parameter updates, costs, the PURE share, the se
 
 import pytest
 import torch
+from rollout_helpers import rollouts_from_texts
 
-from reasoning_from_scratch.generation import Rollouts
 from reasoning_from_scratch.grpo import compute_grpo_loss
 from reasoning_from_scratch.online_prm import OnlinePRMStepScorer, OutcomeStepLabeler
 from reasoning_from_scratch.prm import ProcessRewardModel, encode_steps, save_prm
@@ -103,17 +103,8 @@ def test_online_prm_specs(prm_and_tokenizer, tmp_path):
 
 
 def _rollouts(tokenizer, texts):
-    """Rollouts as sample_rollouts builds them: generated ids + EOS."""
-    rows = [tokenizer.encode(t) + [tokenizer.eos_token_id] for t in texts]
-    T = max(len(r) for r in rows)
-    comp = torch.zeros(len(rows), T, dtype=torch.long)
-    mask = torch.zeros(len(rows), T, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        comp[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = True
-    prompt_ids = torch.tensor(tokenizer.encode(render_prompt(EXAMPLE["problem"])))
-    return Rollouts(prompt_ids, comp, mask, list(texts), mask.sum(1),
-                    torch.zeros(len(rows), dtype=torch.bool))
+    """Rollouts of EXAMPLE's prompt with these completions (+ EOS)."""
+    return rollouts_from_texts(tokenizer, render_prompt(EXAMPLE["problem"]), texts)
 
 
 @pytest.fixture(scope="module")

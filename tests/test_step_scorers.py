@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from rollout_helpers import rollouts_from_texts
 
 from reasoning_from_scratch.arithmetic import format_solution, make_split
-from reasoning_from_scratch.generation import Rollouts
 from reasoning_from_scratch.process import process_advantages, split_steps, step_texts
 from reasoning_from_scratch.process_supervision import (
     ProcessAdvantageFn,
@@ -173,20 +173,8 @@ def test_build_step_scorer_specs(tmp_path):
 
 
 def _rollouts(tokenizer, texts, truncated=()):
-    """Rollouts as sample_rollouts builds them: generated ids (+ EOS unless truncated)."""
-    rows = []
-    for i, t in enumerate(texts):
-        ids = tokenizer.encode(t)
-        rows.append(ids if i in truncated else ids + [tokenizer.eos_token_id])
-    T = max(len(r) for r in rows)
-    comp = torch.zeros(len(rows), T, dtype=torch.long)
-    mask = torch.zeros(len(rows), T, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        comp[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = True
-    prompt_ids = torch.tensor(tokenizer.encode(render_prompt(EXAMPLE["problem"])))
-    return Rollouts(prompt_ids, comp, mask, list(texts), mask.sum(1),
-                    torch.tensor([i in truncated for i in range(len(rows))]))
+    """Rollouts of EXAMPLE's prompt with these completions (+ EOS unless truncated)."""
+    return rollouts_from_texts(tokenizer, render_prompt(EXAMPLE["problem"]), texts, truncated)
 
 
 def test_process_token_advantages_matches_hand_mapping(tokenizer):
