@@ -99,6 +99,15 @@ def _draw_curve(ax, xs, ys):
     ax.legend(fontsize=8, loc="best")
 
 
+def _panel_grid(n: int, panel_height: float):
+    """A figure with n panels, two per row, and their axes in order."""
+    ncols = min(2, n)
+    nrows = math.ceil(n / ncols)
+    fig = Figure(figsize=(6 * ncols, panel_height * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, [fig.add_subplot(nrows, ncols, i + 1) for i in range(n)]
+
+
 def plot_grpo_metrics(csv_path, columns, save_as=None, base=None):
     """One panel per column of a metrics.csv: raw (faint) and moving average; eval columns as bars.
 
@@ -112,12 +121,8 @@ def plot_grpo_metrics(csv_path, columns, save_as=None, base=None):
         raise ValueError("plot_grpo_metrics: no columns to plot")
     steps, data = _read_columns(csv_path, columns)
     starts = base_values(csv_path, base)
-    ncols = min(2, len(columns))
-    nrows = math.ceil(len(columns) / ncols)
-    fig = Figure(figsize=(6 * ncols, 2.8 * nrows), layout="constrained")
-    FigureCanvasAgg(fig)
-    for i, col in enumerate(columns):
-        ax = fig.add_subplot(nrows, ncols, i + 1)
+    fig, axes = _panel_grid(len(columns), panel_height=2.8)
+    for col, ax in zip(columns, axes):
         points = [(s, v) for s, v in zip(steps, data[col]) if v is not None]
         if col in BAR_COLUMNS and (points or col in starts):
             _draw_bars(ax, points, starts.get(col))
@@ -180,12 +185,8 @@ def plot_runs(run_dirs, columns, group_seeds=True, smooth=0.0, save_as=None):
             if missing := [c for c in columns if c not in have]:
                 raise ValueError(f"{Path(d) / 'metrics.csv'}: no column(s) {missing}; has "
                                  f"{sorted(have)}")
-    ncols = min(2, len(columns))
-    nrows = math.ceil(len(columns) / ncols)
-    fig = Figure(figsize=(6 * ncols, 3.2 * nrows), layout="constrained")
-    FigureCanvasAgg(fig)
-    for i, col in enumerate(columns):
-        ax = fig.add_subplot(nrows, ncols, i + 1)
+    fig, axes = _panel_grid(len(columns), panel_height=3.2)
+    for col, ax in zip(columns, axes):
         marker = "o" if col in BAR_COLUMNS else None
         for k, (label, dirs) in enumerate(groups):
             color = f"C{k % 10}"

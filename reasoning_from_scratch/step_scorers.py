@@ -308,6 +308,9 @@ class MonteCarloStepScorer(StepScorer):
             for _ in range(max(0, self.k - len(through))):
                 cuts.append((through[0], len(key)))
                 keys.append(key)
+        hits: dict[tuple[int, ...], list[float]] = {key: [] for key in members}
+        if not cuts:  # the group alone supplied every sample
+            return hits
         budgets = [max(1, self.max_new_tokens - (n - P)) for _, n in cuts]
         was_training = self.model.training
         self.model.eval()
@@ -320,7 +323,6 @@ class MonteCarloStepScorer(StepScorer):
         self.generated_tokens += br.generated_tokens
         self.prefill_tokens += br.prefill_tokens
         self.rollouts += len(cuts)
-        hits: dict[tuple[int, ...], list[float]] = {key: [] for key in members}
         for key, ids, cut in zip(keys, br.ids, br.truncated):
             if ids and not cut:
                 ids = ids[:-1]  # drop the EOS
