@@ -15,6 +15,13 @@ all for the shipped build. Figures of the bundled model on the 200 held-out test
 
     python chapters/build_tiny_model.py
     python chapters/build_tiny_model.py --out-dir /tmp/tiny --steps 300   # a quick try
+
+`--think-native` builds the second bundled model, tiny-arith-think (assets/tiny-arith-think/):
+the same world, prompts and tokenizer, but every corpus document is a think-format solution with a
+boxed answer, and two-digit additions slip too (--slip-prob-add, default 0.6 with the flag), so
+accuracy can rise only through the arithmetic:
+
+    python chapters/build_tiny_model.py --think-native
 """
 
 import argparse
@@ -30,9 +37,11 @@ from reasoning_from_scratch.tiny_world import (
     OPERAND_SLIP_PROB,
     SLIP_PROB_LARGE,
     SLIP_PROB_SMALL,
+    THINK_SLIP_PROB_ADD,
     build_tiny_model,
     format_figures,
 )
+from reasoning_from_scratch.weights import BUNDLED_MODELS
 from reasoning_from_scratch.validation import (
     non_negative_int,
     positive_float,
@@ -41,7 +50,7 @@ from reasoning_from_scratch.validation import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "reasoning_from_scratch" / "assets" / "tiny-arith"
+ASSETS = REPO / "reasoning_from_scratch" / "assets"
 
 
 def main():
@@ -49,8 +58,12 @@ def main():
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT,
-                        help="where to write the Hugging Face-layout model files")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="where to write the Hugging Face-layout model files (default: "
+                             "assets/tiny-arith, or assets/tiny-arith-think with --think-native)")
+    parser.add_argument("--think-native", action="store_true",
+                        help="build tiny-arith-think: every corpus document in the think format "
+                             "with a boxed answer, the bundled tiny-arith tokenizer")
     add_seed_argument(parser, help="seed of the corpus, the tokenizer and the model initialisation")
     parser.add_argument("--steps", type=positive_int, default=4000, help="pretraining steps")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="sequences per step")
@@ -66,6 +79,10 @@ def main():
     parser.add_argument("--slip-prob-large", type=unit_float, default=SLIP_PROB_LARGE,
                         help="corpus: probability of forgetting the units carry of a three-digit "
                              "step")
+    parser.add_argument("--slip-prob-add", type=unit_float, default=None,
+                        help="corpus: probability of forgetting the units carry of a two-digit "
+                             f"addition (default: --slip-prob-small; {THINK_SLIP_PROB_ADD} with "
+                             "--think-native)")
     parser.add_argument("--operand-slip-prob", type=unit_float, default=OPERAND_SLIP_PROB,
                         help="corpus: probability of copying an operand with its digits swapped")
     add_threads_argument(parser, 2, "torch CPU threads")
@@ -74,6 +91,10 @@ def main():
     args = parser.parse_args()
 
     set_threads(args.threads)
+    name = "tiny-arith-think" if args.think_native else "tiny-arith"
+    args.out_dir = args.out_dir or ASSETS / name
+    if args.think_native and args.slip_prob_add is None:
+        args.slip_prob_add = THINK_SLIP_PROB_ADD
     figures = build_tiny_model(
         args.out_dir,
         seed=args.seed,
@@ -86,6 +107,9 @@ def main():
         slip_prob_small=args.slip_prob_small,
         slip_prob_large=args.slip_prob_large,
         operand_slip_prob=args.operand_slip_prob,
+        slip_prob_add=args.slip_prob_add,
+        think_native=args.think_native,
+        tokenizer_dir=BUNDLED_MODELS["tiny-arith"] if args.think_native else None,
     )
     print(f"saved to {args.out_dir}")
     print(f"parameters: {figures['parameters']:,} | final training loss {figures['final_loss']:.3f}"

@@ -81,14 +81,28 @@ OPERAND_SLIP_PROB = 0.04  # a two-digit operand copied with its digits transpose
 CORPUS_LEVEL_WEIGHTS = (1, 1, 1, 1, 1)  # level mix of the pretraining corpus (levels 1-5)
 
 
-def make_slip_prob(small: float = SLIP_PROB_SMALL, large: float = SLIP_PROB_LARGE):
-    """slip_prob(a, op, b) for `flawed_solution`: `large` on three-digit steps, else `small`."""
+def make_slip_prob(small: float = SLIP_PROB_SMALL, large: float = SLIP_PROB_LARGE,
+                   add: float | None = None):
+    """slip_prob(a, op, b) for `flawed_solution`: `large` on three-digit steps, else `small`
+    (`add`, if given, on the two-digit additions instead)."""
     def slip_prob(a: int, op: str, b: int) -> float:
-        return large if is_large_step(a, op, b) else small
+        if is_large_step(a, op, b):
+            return large
+        return add if add is not None and op == "+" else small
     return slip_prob
 
 
 corpus_slip_prob = make_slip_prob()  # the bundled corpus's slip probabilities
+
+# The think-native base model `tiny-arith-think` (`build_tiny_model(think_native=True)`): every
+# document is a think-format solution with a boxed answer, so its answers are always gradable
+# and accuracy can rise only through the arithmetic. Its learners also forget the units carry of
+# a two-digit addition more often than not (THINK_SLIP_PROB_ADD > 1/2): with slips on three-digit
+# steps alone the greedy model would solve two thirds of the problems, leaving RL little to find;
+# with them its greedy accuracy and step correctness sit mid-range while a sampled carry is still
+# right 40% of the time (calibration: docs/tiny_world.md). Same world, prompts and tokenizer
+# (the bundled tiny-arith one) as tiny-arith.
+THINK_SLIP_PROB_ADD = 0.6
 
 
 # The bundled model's architecture: 834,816 parameters with the 367-token vocabulary that the
@@ -150,8 +164,11 @@ def train_bpe_tokenizer(texts, vocab_size: int = 384, out_dir=None) -> Qwen3Toke
 # ----------------------------------------------------------------------------------------------
 
 
-def style_distribution(example: dict) -> dict[str, float]:
-    """Probability of each solution style for this problem in the pretraining corpus."""
+def style_distribution(example: dict, think_native: bool = False) -> dict[str, float]:
+    """Probability of each solution style for this problem in the pretraining corpus
+    (`think_native`: the think format always)."""
+    if think_native:
+        return {"think": 1.0}
     _, ops = parse_problem(example["problem"])
     dominant = DOMINANT_STYLE.get(len(ops), DEFAULT_DOMINANT)
     probs = {s: (1 - DOMINANT_WEIGHT) * STYLE_BACKGROUND[s] for s in STYLES}
@@ -165,6 +182,7 @@ def build_corpus(
     level_weights=CORPUS_LEVEL_WEIGHTS,
     slip_prob=corpus_slip_prob,
     operand_slip_prob: float = OPERAND_SLIP_PROB,
+    think_native: bool = False,
     **knobs,
 ) -> list[dict]:
     """`n` pretraining documents: dicts with "prompt", "completion", "style", "slips" (+ the
@@ -179,7 +197,7 @@ def build_corpus(
     docs = []
     split_knobs = knobs if knobs else {"level_weights": level_weights}
     for ex in make_split("train", n, seed=seed, **split_knobs):
-        probs = style_distribution(ex)
+        probs = style_distribution(ex, think_native)
         style = rng.choices(list(probs), weights=list(probs.values()))[0]
         written = ex
         if slip_prob is not None:
@@ -290,23 +308,31 @@ def build_tiny_model(
     slip_prob_small: float = SLIP_PROB_SMALL,
     slip_prob_large: float = SLIP_PROB_LARGE,
     operand_slip_prob: float = OPERAND_SLIP_PROB,
+    slip_prob_add: float | None = None,
+    think_native: bool = False,
+    tokenizer_dir=None,
 ) -> dict:
     """Train tokenizer and model from `seed`, save them to `out_dir` (HF layout), return figures.
 
     The corpus holds one fresh document per training sequence (steps * batch_size documents),
-    written with the given slip probabilities (see `build_corpus`).
+    written with the given slip probabilities (see `build_corpus`; `think_native`: every document
+    in the think format). `tokenizer_dir`: reuse the tokenizer files there (e.g. the bundled
+    tiny-arith's) instead of training a BPE on the corpus.
     """
 
     t0 = time.time()
     random.seed(seed)
     torch.manual_seed(seed)
     docs = build_corpus(steps * batch_size, seed=seed,
-                        slip_prob=make_slip_prob(slip_prob_small, slip_prob_large),
-                        operand_slip_prob=operand_slip_prob)
+                        slip_prob=make_slip_prob(slip_prob_small, slip_prob_large, slip_prob_add),
+                        operand_slip_prob=operand_slip_prob, think_native=think_native)
     with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = train_bpe_tokenizer(
-            (document_text(d) for d in docs[:tokenizer_docs]), vocab_size=vocab_size, out_dir=tmp
-        )
+        if tokenizer_dir is not None:
+            tokenizer = Qwen3Tokenizer.from_pretrained(tokenizer_dir)
+        else:
+            tokenizer = train_bpe_tokenizer(
+                (document_text(d) for d in docs[:tokenizer_docs]), vocab_size=vocab_size,
+                out_dir=tmp)
         eos = tokenizer.eos_token_id
         cfg = tiny_config(
             vocab_size=tokenizer.vocab_size, bos_token_id=eos, eos_token_id=eos, **TINY_ARITH_ARCH

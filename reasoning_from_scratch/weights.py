@@ -31,7 +31,8 @@ from .tokenizer import Qwen3Tokenizer
 PathLike = str | Path
 
 _ASSETS = Path(__file__).resolve().parent / "assets"
-BUNDLED_MODELS = {"tiny-arith": _ASSETS / "tiny-arith"}
+BUNDLED_MODELS = {"tiny-arith": _ASSETS / "tiny-arith",
+                  "tiny-arith-think": _ASSETS / "tiny-arith-think"}
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
