@@ -67,6 +67,9 @@ def build_parser():
                    action=argparse.BooleanOptionalAction,
                    help="skip groups with equal outcome rewards in the process arms too (they "
                         "can still differ step by step, so the default keeps them)")
+    p.add_argument("--jobs", type=positive_int, default=1,
+                   help="runs trained at once, each in its own process with one CPU thread "
+                        "(on N cores: --jobs N); then the table as usual")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: tabulate and plot the runs already finished")
     p.add_argument("--output-dir", default="runs/ch08-process-vs-outcome",

@@ -127,6 +127,29 @@ def test_ch08_process_vs_outcome_tiny_run(tmp_path):
     assert "| process (learned PRM) | 1 |" in (tmp_path / "results.md").read_text()
 
 
+def test_ch08_jobs_equal_the_sequential_runs(tmp_path):
+    """--jobs 2 trains the runs in two worker processes (one thread each) and gets exactly the
+    curves the sequential experiment gets."""
+    main = _ch08_main()
+    argv = ["--arms", "outcome,recommended", "--seeds", "0", "--eval-points", "2",
+            "--steps", "2", "--eval-examples", "6", "--prompts-per-step", "2",
+            "--num-rollouts", "3", "--max-new-tokens", "24", "--train-examples", "20",
+            "--device", "cpu", "--no-progress", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        main([*argv, "--output-dir", str(tmp_path / "one")])
+        main([*argv, "--output-dir", str(tmp_path / "two"), "--jobs", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
+    strip = ("seconds",)  # wall clock differs
+    for arm in ("outcome", "recommended"):
+        a, b = one["curves"][arm]["0"], two["curves"][arm]["0"]
+        assert [{k: v for k, v in p.items() if k not in strip} for p in a] == [
+            {k: v for k, v in p.items() if k not in strip} for p in b]
+    assert (tmp_path / "two" / "recommended-seed0" / "final_levels.json").is_file()
+
+
 def test_ch07_compare_tiny_run(tmp_path):
     """Three arms (one of them with 4 inner epochs) x 2 steps, 1 seed; then --report-only."""
     main = runpy.run_path(str(ROOT / "chapters" / "ch07_compare.py"),

@@ -58,8 +58,10 @@ from __future__ import annotations
 import copy
 import json
 import math
+import multiprocessing
 import shutil
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -165,6 +167,7 @@ class ExperimentSettings:
     train_level_weights: tuple | list | None = DEFAULT_TRAIN_LEVEL_WEIGHTS
     process_skip_zero_advantage: bool = False  # skip equal-outcome groups in process arms too
     report_only: bool = False  # train nothing: tabulate the finished runs
+    jobs: int = 1  # runs trained at once, each in its own process with one CPU thread
     device: str | None = None
     prm: str | None = None  # a saved PRM for the prm arm (None: train one, cached)
     prm_labels: str = "verifier"  # verifier | mc
@@ -686,11 +689,44 @@ def _final_levels(curves, base_model, tokenizer, held_out, device, config, out):
     return {"base": base, "runs": {arm: [f for f in fs if f] for arm, fs in runs.items()}}
 
 
+def _train_in_worker(args, arm, seed, values, prm_path, prm_report, base):
+    """One run (and its final level figures) in a worker process of `_train_in_parallel`."""
+    torch.set_num_threads(1)  # one core per run: `jobs` runs fill `jobs` cores
+    device = get_device(args.device)
+    base_model, tokenizer = load_pretrained(args.model, device=device, dtype=torch.float32)
+    train, held_out = load_grpo_data("arith", args.train_examples, args.eval_split,
+                                     values["eval_examples"], args.train_level_weights)
+    run_dir = Path(args.output_dir) / f"{arm}-seed{seed}"
+    cfg = _run_config(arm, seed, values, args, prm_path, run_dir)
+    _run_one(cfg, _run_settings(cfg, args, prm_report), base_model, tokenizer, train, held_out,
+             device, base)
+    final_level_figures(run_dir, tokenizer, held_out, device, cfg)
+    return arm, seed
+
+
+def _train_in_parallel(args, pairs, values, prm_path, prm_report, base):
+    """Train the (arm, seed) runs `args.jobs` at a time in fresh processes (spawned, so no
+    worker inherits a parent's threads or open files); each finished run lands in its own
+    directory, which the sequential pass of `_run_arms` then reuses."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=context) as pool:
+        futures = [pool.submit(_train_in_worker, args, arm, seed, values, prm_path, prm_report,
+                               base) for arm, seed in pairs]
+        for future in futures:
+            arm, seed = future.result()  # re-raises a worker's error here
+            print(f"{arm} seed {seed}: trained in a worker")
+
+
 def _run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, tokenizer, train,
              held_out, device, base=None):
-    """{arm: {seed: points}} of the finished runs, training the missing ones (not report_only)."""
+    """{arm: {seed: points}} of the finished runs, training the missing ones (not report_only;
+    `args.jobs` > 1: in parallel worker processes first)."""
     out = Path(args.output_dir)
     curves = {arm: {} for arm in arms}
+    if args.jobs > 1 and not args.report_only:
+        todo = [(arm, seed) for seed in seeds for arm in arms
+                if _load_curve(out / f"{arm}-seed{seed}") is None]
+        _train_in_parallel(args, todo, values, prm_path, prm_report, base)
     for seed in seeds:  # seeds outer: a stopped experiment still has every arm for some seeds
         for arm in arms:
             run_dir = out / f"{arm}-seed{seed}"
