@@ -18,8 +18,8 @@ all for the shipped build. Figures of the bundled model on the 200 held-out test
 
 `--think-native` builds the second bundled model, tiny-arith-think (assets/tiny-arith-think/):
 the same world, prompts and tokenizer, but every corpus document is a think-format solution with a
-boxed answer, and two-digit additions slip too (--slip-prob-add, default 0.6 with the flag), so
-accuracy can rise only through the arithmetic:
+boxed answer, and every step's carry slips more often than not (--slip-prob-small 0.7 with the
+flag), so accuracy can rise only through the arithmetic:
 
     python chapters/build_tiny_model.py --think-native
 """
@@ -37,7 +37,7 @@ from reasoning_from_scratch.tiny_world import (
     OPERAND_SLIP_PROB,
     SLIP_PROB_LARGE,
     SLIP_PROB_SMALL,
-    THINK_SLIP_PROB_ADD,
+    THINK_SLIP_PROB_SMALL,
     build_tiny_model,
     format_figures,
 )
@@ -73,16 +73,13 @@ def main():
                         help="maximum BPE vocabulary size (special tokens included)")
     parser.add_argument("--n-test", type=positive_int, default=200,
                         help="held-out test problems for the final figures")
-    parser.add_argument("--slip-prob-small", type=unit_float, default=SLIP_PROB_SMALL,
+    parser.add_argument("--slip-prob-small", type=unit_float, default=None,
                         help="corpus: probability of forgetting the units carry of a two-digit "
-                             "step")
+                             f"step (default: {SLIP_PROB_SMALL}; {THINK_SLIP_PROB_SMALL} with "
+                             "--think-native)")
     parser.add_argument("--slip-prob-large", type=unit_float, default=SLIP_PROB_LARGE,
                         help="corpus: probability of forgetting the units carry of a three-digit "
                              "step")
-    parser.add_argument("--slip-prob-add", type=unit_float, default=None,
-                        help="corpus: probability of forgetting the units carry of a two-digit "
-                             f"addition (default: --slip-prob-small; {THINK_SLIP_PROB_ADD} with "
-                             "--think-native)")
     parser.add_argument("--operand-slip-prob", type=unit_float, default=OPERAND_SLIP_PROB,
                         help="corpus: probability of copying an operand with its digits swapped")
     add_threads_argument(parser, 2, "torch CPU threads")
@@ -93,8 +90,8 @@ def main():
     set_threads(args.threads)
     name = "tiny-arith-think" if args.think_native else "tiny-arith"
     args.out_dir = args.out_dir or ASSETS / name
-    if args.think_native and args.slip_prob_add is None:
-        args.slip_prob_add = THINK_SLIP_PROB_ADD
+    if args.slip_prob_small is None:
+        args.slip_prob_small = THINK_SLIP_PROB_SMALL if args.think_native else SLIP_PROB_SMALL
     figures = build_tiny_model(
         args.out_dir,
         seed=args.seed,
@@ -107,7 +104,6 @@ def main():
         slip_prob_small=args.slip_prob_small,
         slip_prob_large=args.slip_prob_large,
         operand_slip_prob=args.operand_slip_prob,
-        slip_prob_add=args.slip_prob_add,
         think_native=args.think_native,
         tokenizer_dir=BUNDLED_MODELS["tiny-arith"] if args.think_native else None,
     )

@@ -1,6 +1,7 @@
 """Plots of training metrics: one run's raw and smoothed curves with evaluation accuracy as bars
 (`plot_grpo_metrics`, a run's metrics.png), and several runs on shared axes, seeds of one
-setting as mean ± sd (`plot_runs`, chapters/compare_runs.py).
+setting as mean ± sd (`plot_runs`, chapters/compare_runs.py); token advantages of a group as a heat map
+(`draw_token_advantages`, chapter 8).
 
 The evaluation bars start with the model before training at step 0 (from `base`, or from the
 run's summary.json), so a gain is read against where the run started.
@@ -17,8 +18,10 @@ import math
 import statistics
 from pathlib import Path
 
+import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from .files import atomic_path
 from .run_log import read_metrics, seed_groups
@@ -204,3 +207,27 @@ def plot_runs(run_dirs, columns, group_seeds=True, smooth=0.0, save_as=None):
     if save_as is not None:
         save_figure(fig, save_as)
     return fig
+
+
+def draw_token_advantages(fig, ax, advantages, lengths, step_ends, row_labels, title,
+                          vmax=4.5, mark=None):
+    """A heat map of token advantages on `ax`: rows are completions, columns tokens (grey past a
+    completion's end), black bars at step ends; `mark` = {row: (first, last) token} outlines a
+    span (a carry step, say). `advantages`: (G, T) tensor or array."""
+    adv = advantages.numpy() if hasattr(advantages, "numpy") else advantages
+    lengths = [int(n) for n in lengths]
+    shown = [[adv[i][t] if t < lengths[i] else math.nan for t in range(len(adv[i]))]
+             for i in range(len(adv))]
+    cmap = matplotlib.colormaps["RdBu"].with_extremes(bad="lightgrey")
+    im = ax.imshow(shown, cmap=cmap, vmin=-vmax, vmax=vmax, aspect="auto",
+                   interpolation="nearest")
+    for i, ends in enumerate(step_ends):
+        for e in list(ends)[:-1]:
+            ax.plot([e + 0.5, e + 0.5], [i - 0.5, i + 0.5], color="black", linewidth=1.5)
+    for i, (first, last) in (mark or {}).items():
+        ax.add_patch(Rectangle((first - 0.5, i - 0.5), last - first + 1, 1, fill=False,
+                               edgecolor="gold", linewidth=2.5))
+    ax.set_yticks(range(len(row_labels)), row_labels)
+    ax.set_title(f"token advantages, {title}; black bars: step ends")
+    fig.colorbar(im, ax=ax)
+    return im

@@ -81,14 +81,10 @@ OPERAND_SLIP_PROB = 0.04  # a two-digit operand copied with its digits transpose
 CORPUS_LEVEL_WEIGHTS = (1, 1, 1, 1, 1)  # level mix of the pretraining corpus (levels 1-5)
 
 
-def make_slip_prob(small: float = SLIP_PROB_SMALL, large: float = SLIP_PROB_LARGE,
-                   add: float | None = None):
-    """slip_prob(a, op, b) for `flawed_solution`: `large` on three-digit steps, else `small`
-    (`add`, if given, on the two-digit additions instead)."""
+def make_slip_prob(small: float = SLIP_PROB_SMALL, large: float = SLIP_PROB_LARGE):
+    """slip_prob(a, op, b) for `flawed_solution`: `large` on three-digit steps, else `small`."""
     def slip_prob(a: int, op: str, b: int) -> float:
-        if is_large_step(a, op, b):
-            return large
-        return add if add is not None and op == "+" else small
+        return large if is_large_step(a, op, b) else small
     return slip_prob
 
 
@@ -96,13 +92,12 @@ corpus_slip_prob = make_slip_prob()  # the bundled corpus's slip probabilities
 
 # The think-native base model `tiny-arith-think` (`build_tiny_model(think_native=True)`): every
 # document is a think-format solution with a boxed answer, so its answers are always gradable
-# and accuracy can rise only through the arithmetic. Its learners also forget the units carry of
-# a two-digit addition more often than not (THINK_SLIP_PROB_ADD > 1/2): with slips on three-digit
-# steps alone the greedy model would solve two thirds of the problems, leaving RL little to find;
-# with them its greedy accuracy and step correctness sit mid-range while a sampled carry is still
-# right 40% of the time (calibration: docs/tiny_world.md). Same world, prompts and tokenizer
-# (the bundled tiny-arith one) as tiny-arith.
-THINK_SLIP_PROB_ADD = 0.6
+# and accuracy can rise only through the arithmetic. Its learners forget the units carry of
+# *every* step more often than not (THINK_SLIP_PROB_SMALL > 1/2): with slips mostly on
+# three-digit steps, as in tiny-arith, the greedy model solved 56% of the problems and sampling
+# added little (pass@8 85%), leaving RL little to find (calibration: docs/tiny_world.md). Same
+# world, prompts and tokenizer (the bundled tiny-arith one) as tiny-arith.
+THINK_SLIP_PROB_SMALL = 0.7
 
 
 # The bundled model's architecture: 834,816 parameters with the 367-token vocabulary that the
@@ -308,7 +303,6 @@ def build_tiny_model(
     slip_prob_small: float = SLIP_PROB_SMALL,
     slip_prob_large: float = SLIP_PROB_LARGE,
     operand_slip_prob: float = OPERAND_SLIP_PROB,
-    slip_prob_add: float | None = None,
     think_native: bool = False,
     tokenizer_dir=None,
 ) -> dict:
@@ -324,7 +318,7 @@ def build_tiny_model(
     random.seed(seed)
     torch.manual_seed(seed)
     docs = build_corpus(steps * batch_size, seed=seed,
-                        slip_prob=make_slip_prob(slip_prob_small, slip_prob_large, slip_prob_add),
+                        slip_prob=make_slip_prob(slip_prob_small, slip_prob_large),
                         operand_slip_prob=operand_slip_prob, think_native=think_native)
     with tempfile.TemporaryDirectory() as tmp:
         if tokenizer_dir is not None:

@@ -4,7 +4,12 @@ import math
 
 import pytest
 
-from reasoning_from_scratch.plotting import base_values, moving_average, plot_grpo_metrics
+from reasoning_from_scratch.plotting import (
+    base_values,
+    draw_token_advantages,
+    moving_average,
+    plot_grpo_metrics,
+)
 
 
 def test_moving_average_trailing_window():
@@ -73,3 +78,21 @@ def test_smoothed_line_skipped_when_it_equals_the_raw_one(tmp_path):
     ax = plot_grpo_metrics(_metrics_csv(tmp_path, n=3), ["reward_mean"]).axes[0]
     assert len(ax.lines) == 1 and ax.get_legend() is None
     assert list(ax.lines[0].get_ydata()) == [0.1, 0.2, 0.3]
+
+
+def test_token_advantage_heat_map_greys_past_the_end_and_marks_a_span():
+    import torch
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    ax = fig.subplots()
+    adv = torch.tensor([[1.0, 2.0, 3.0], [-1.0, -2.0, 0.0]])
+    im = draw_token_advantages(fig, ax, adv, [3, 2], [[0, 2], [1]], ["a", "b"], "test",
+                               mark={0: (1, 2)})
+    data = im.get_array()
+    assert data[0].tolist() == [1.0, 2.0, 3.0] and data[1][:2].tolist() == [-1.0, -2.0]
+    assert data.mask[1][2] and not data.mask[0].any()  # beyond completion b's end: grey
+    assert len(ax.lines) == 1  # one step end inside completion a (its last end draws none)
+    (rect,) = ax.patches
+    assert (rect.get_x(), rect.get_width()) == (0.5, 2)  # tokens 1..2 of row 0
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b"]

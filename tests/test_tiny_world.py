@@ -173,3 +173,51 @@ def test_bundled_model_loads_and_generates():
     assert completion[-1] == tokenizer.eos_token_id
     text = tokenizer.decode(completion[:-1])
     assert "\\boxed{" in text or "The answer is" in text
+
+
+def test_think_native_corpus_is_all_think_with_slips_on_small_steps():
+    from reasoning_from_scratch.tiny_world import THINK_SLIP_PROB_SMALL, make_slip_prob
+
+    docs = build_corpus(400, seed=3, slip_prob=make_slip_prob(THINK_SLIP_PROB_SMALL),
+                        think_native=True)
+    assert {d["style"] for d in docs} == {"think"}
+    assert all(d["completion"].startswith(" <think>\n") and "\\boxed{" in d["completion"]
+               for d in docs)
+    assert style_distribution(docs[0], think_native=True) == {"think": 1.0}
+    # 37+45: the carry forgotten (72) with the small-step probability
+    assert make_slip_prob(THINK_SLIP_PROB_SMALL)(37, "+", 45) == THINK_SLIP_PROB_SMALL
+    assert make_slip_prob(THINK_SLIP_PROB_SMALL)(95, "+", 45) == 0.6  # three digits: large
+    one_step = [d for d in docs if d["level"] == 1]
+    slipped = sum(bool(d["slips"]) for d in one_step) / len(one_step)
+    assert 0.2 < slipped < 0.6  # about 0.7 x the one-step problems with a carry to forget
+
+
+def test_think_native_build_is_deterministic(tmp_path):
+    from reasoning_from_scratch.tiny_world import build_tiny_model
+    from reasoning_from_scratch.weights import BUNDLED_MODELS
+
+    def build(name):
+        build_tiny_model(tmp_path / name, seed=5, steps=3, batch_size=4, n_test=2,
+                         progress=False, think_native=True, slip_prob_small=0.7,
+                         tokenizer_dir=BUNDLED_MODELS["tiny-arith"])
+        return (tmp_path / name / "model.safetensors").read_bytes()
+
+    assert build("a") == build("b")
+    # the bundled tokenizer, unchanged
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (
+        BUNDLED_MODELS["tiny-arith"] / "tokenizer.json").read_text()
+
+
+def test_bundled_think_native_model_writes_think_format_with_a_box():
+    from reasoning_from_scratch.evaluation import evaluate
+    from reasoning_from_scratch.weights import load_pretrained
+
+    model, tokenizer = load_pretrained("tiny-arith-think", device="cpu")
+    assert sum(p.numel() for p in model.parameters()) == BUNDLE_PARAMETERS
+    examples = make_split("test", 40)
+    res = evaluate(model, tokenizer, examples, "cpu", max_new_tokens=112, batch_size=40,
+                   temperature=0.0, progress=False)
+    assert res["format_rate"] >= 0.95
+    assert all("\\boxed{" in r["generated_text"] for r in res["records"])
+    # calibrated mid-range on a small sample (the 200-problem figures: docs/tiny_world.md)
+    assert 0.15 <= res["accuracy"] <= 0.6
