@@ -18,7 +18,7 @@ all for the shipped build. Figures of the bundled model on the 200 held-out test
 
 `--think-native` builds the second bundled model, tiny-arith-think (assets/tiny-arith-think/):
 the same world, prompts and tokenizer, but every corpus document is a think-format solution with a
-boxed answer, and every step's carry slips more often than not (--slip-prob-small 0.7 with the
+boxed answer, and every step's carry slips more often than not (--slip-prob-small 0.65 with the
 flag), so accuracy can rise only through the arithmetic:
 
     python chapters/build_tiny_model.py --think-native
