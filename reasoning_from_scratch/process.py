@@ -211,9 +211,13 @@ def step_token_ends(
     """
     if len(offsets) == 0:
         return []
-    owners = token_step_owners(offsets, spans)
-    ends = [k for k in range(len(owners)) if k == len(owners) - 1 or owners[k + 1] != owners[k]]
-    return ends
+    return _owner_ends(token_step_owners(offsets, spans))
+
+
+def _owner_ends(owners: Sequence[int]) -> list[int]:
+    """Index of the last token of each run of equal owners."""
+    last = len(owners) - 1
+    return [k for k in range(len(owners)) if k == last or owners[k + 1] != owners[k]]
 
 
 def align_steps_to_tokens(
@@ -234,7 +238,22 @@ def align_steps_to_tokens(
         start = spans[0][0] if n == 0 else spans[j][0]
         end = spans[owned[n + 1] - 1][1] if n + 1 < len(owned) else spans[-1][1]
         merged.append((start, end))
-    return merged, step_token_ends(offsets, spans)
+    return merged, _owner_ends(owners)
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings."""
+    # Slice comparisons run in C: a bisection beats a character loop on long completions.
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:  # the usual case: the decoded prefix is a prefix of the text
+        return hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def token_offsets_from_ids(tokenizer, ids: Sequence[int], text: str | None = None):
@@ -252,14 +271,7 @@ def token_offsets_from_ids(tokenizer, ids: Sequence[int], text: str | None = Non
         enc_ids, offsets = tokenizer.encode_with_offsets(text)
         if list(enc_ids) == ids:
             return [(int(s), int(e)) for s, e in offsets]
-    starts = []
-    for k in range(len(ids)):
-        prefix = tokenizer.decode(ids[:k])
-        n = 0
-        limit = min(len(prefix), len(text))
-        while n < limit and prefix[n] == text[n]:
-            n += 1
-        starts.append(n)
+    starts = [_common_prefix_len(tokenizer.decode(ids[:k]), text) for k in range(len(ids))]
     # Starts must not decrease (a half character can shorten the common prefix).
     for k in range(len(starts) - 2, -1, -1):
         starts[k] = min(starts[k], starts[k + 1])
@@ -414,13 +426,16 @@ def process_advantages(
 
 def _expand_steps(credit, step_ends, lengths, T) -> torch.Tensor:
     """`(G, T)`: every token gets the credit of the step that owns it; 0 past its length."""
-    adv = torch.zeros(len(lengths), T, dtype=torch.float32)
-    for i, (cr, es, n) in enumerate(zip(credit, step_ends, lengths)):
-        if n == 0:
-            continue
-        step_len = torch.diff(torch.tensor([int(e) for e in es]), prepend=torch.tensor([-1]))
-        adv[i, :n] = torch.repeat_interleave(torch.tensor(cr, dtype=torch.float32), step_len)
-    return adv
+    # Rows built as Python lists and converted once: a few small tensors per completion cost
+    # more than the credit itself.
+    rows = []
+    for cr, es in zip(credit, step_ends):
+        row, prev = [], -1
+        for c, e in zip(cr, es):
+            row += [float(c)] * (int(e) - prev)
+            prev = int(e)
+        rows.append(row + [0.0] * (T - len(row)))
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(lengths), T)
 
 
 def _outcome_tokens(outcome_advantages, lengths, T, variant) -> torch.Tensor:
@@ -640,7 +655,8 @@ def completion_steps(
     last step. Steps that own no token are merged into a neighbour, so both lists have one entry
     per step, and a text without any step gets a single step.
     """
-    ids = [int(i) for i in list(completion_ids[:length])]
+    # One tolist() call: iterating a tensor makes a tensor per id.
+    ids = [int(i) for i in torch.as_tensor(completion_ids[:length]).tolist()]
     if not ids:
         return [], []
     text_ids = ids if truncated else ids[:-1]  # the EOS is not part of the text

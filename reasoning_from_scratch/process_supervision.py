@@ -83,10 +83,12 @@ def process_token_advantages(
     if prompt is None:
         prompt = tokenizer.decode(rollouts.prompt_ids.tolist(), skip_special_tokens=False)
     G, T = rollouts.completion_ids.shape
+    lengths = [int(x) for x in rollouts.lengths.tolist()]
+    truncated = [bool(x) for x in rollouts.truncated.tolist()]
     steps, ends = [], []
     for g in range(G):
-        s, e = completion_steps(tokenizer, rollouts.completion_ids[g], int(rollouts.lengths[g]),
-                                rollouts.texts[g], bool(rollouts.truncated[g]), split_mode, pattern)
+        s, e = completion_steps(tokenizer, rollouts.completion_ids[g], lengths[g],
+                                rollouts.texts[g], truncated[g], split_mode, pattern)
         steps.append(s)
         ends.append(e)
     if callable(getattr(scorer, "score_rollouts", None)):
@@ -97,7 +99,6 @@ def process_token_advantages(
         if len(rs) != len(ss):
             raise ValueError(f"process_token_advantages: the step scorer gave {len(rs)} rewards "
                              f"for the {len(ss)} steps of completion {g}")
-    lengths = [int(x) for x in rollouts.lengths]
     adv = torch.zeros(G, T, dtype=torch.float32)  # (G, T)
     if max(lengths, default=0) > 0:
         a = process_advantages(rewards, ends, lengths, variant, outcome_advantages, eps, alpha)

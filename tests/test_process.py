@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from reasoning_from_scratch.process import (
+    ANCHORED_VARIANTS,
     STEP_TAG_PATTERN,
     align_steps_to_tokens,
+    anchored_credit,
     normalize_pool,
     process_advantages,
     split_steps,
@@ -17,6 +19,8 @@ from reasoning_from_scratch.process import (
     step_token_ends,
     token_offsets_from_ids,
 )
+from reasoning_from_scratch.tokenizer import Qwen3Tokenizer
+from reasoning_from_scratch.weights import BUNDLED_MODELS
 
 REFERENCE = (
     " <think>\nStep 1: 17+25=42\nStep 2: 42*3=126\nStep 3: 126-8=118\n</think>\n\\boxed{118}"
@@ -236,6 +240,44 @@ def test_token_offsets_from_ids_non_canonical_tokenisation():
     assert offsets == [(i, i + 1) for i in range(15)] + [(15, 23)]
 
 
+def _offsets_by_character_loop(tokenizer, ids, text):
+    """The prefix-decoding offsets as first written (a character loop per prefix): the
+    reference the faster common-prefix search must reproduce exactly."""
+    starts = []
+    for k in range(len(ids)):
+        prefix = tokenizer.decode(ids[:k])
+        n, limit = 0, min(len(prefix), len(text))
+        while n < limit and prefix[n] == text[n]:
+            n += 1
+        starts.append(n)
+    for k in range(len(starts) - 2, -1, -1):
+        starts[k] = min(starts[k], starts[k + 1])
+    return list(zip(starts, [*starts[1:], len(text)]))
+
+
+def test_prefix_decoding_offsets_match_the_character_loop_on_the_bundled_tokenizer():
+    tok = Qwen3Tokenizer.from_pretrained(BUNDLED_MODELS["tiny-arith"])
+
+    class DecodeOnly:  # no encode_with_offsets: every call takes the prefix-decoding path
+        def decode(self, ids):
+            return tok.decode(ids)
+
+    rng = random.Random(0)
+    texts = [REFERENCE, " <think>\nStep 1: 8*7=56\n</think>\n\\boxed{56} é日🙂",
+             "Stép 2: 3×4=12 — naïve ½ 🙂🙂"]
+    cases = []
+    for text in texts:  # canonical ids, and the same text one byte token at a time
+        cases.append(tok.encode(text))
+        cases.append([i for c in text for i in tok.encode(c)])
+    for _ in range(300):  # random ids: half UTF-8 characters, special tokens, odd merges
+        cases.append([rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))])
+    for ids in cases:
+        text = tok.decode(ids)
+        for t in (text, text[: len(text) // 2]):  # also a text shorter than the tokens
+            assert token_offsets_from_ids(DecodeOnly(), ids, t) == \
+                _offsets_by_character_loop(DecodeOnly(), ids, t), (ids, t)
+
+
 # ---------------------------------------------------------------------------------------------
 # process_advantages
 # ---------------------------------------------------------------------------------------------
@@ -417,3 +459,36 @@ def test_step_statistics():
     signed = step_statistics([[1, -1], [1, 1]])
     assert signed["first_error_step"] == 2 and "tokens_per_step" not in signed
     assert math.isnan(step_statistics([[1, 1]])["first_error_step"])
+
+
+def _expand_by_repeat_interleave(credit, step_ends, lengths, T):
+    """Step credit spread over tokens as first written (a repeat_interleave per completion)."""
+    adv = torch.zeros(len(lengths), T, dtype=torch.float32)
+    for i, (cr, es, n) in enumerate(zip(credit, step_ends, lengths)):
+        if n:
+            step_len = torch.diff(torch.tensor(es), prepend=torch.tensor([-1]))
+            adv[i, :n] = torch.repeat_interleave(torch.tensor(cr, dtype=torch.float32), step_len)
+    return adv
+
+
+@pytest.mark.parametrize("variant", ANCHORED_VARIANTS)
+def test_anchored_token_advantages_bit_identical_to_repeat_interleave(variant):
+    rng = random.Random(1)
+    for _ in range(50):
+        G = rng.randrange(2, 9)
+        rewards, ends, lengths = [], [], []
+        for _ in range(G):
+            n = rng.choice([0, 1, rng.randrange(2, 60)])
+            cuts = sorted(rng.sample(range(n - 1), min(rng.randrange(0, 5), n - 1))) if n else []
+            ends.append([*cuts, n - 1] if n else [])
+            rewards.append([rng.choice([0.0, 1.0, rng.random()]) for _ in ends[-1]])
+            lengths.append(n)
+        if not max(lengths):
+            continue
+        alpha, T = rng.choice([1.0, 0.3]), max(lengths)
+        oa = torch.randn(G, generator=torch.Generator().manual_seed(G))
+        expected = _expand_by_repeat_interleave(anchored_credit(rewards, variant), ends,
+                                                lengths, T) * alpha
+        expected = expected + oa[:, None] * (torch.arange(T)[None] < torch.tensor(lengths)[:, None])
+        got = process_advantages(rewards, ends, lengths, variant, oa, alpha=alpha)
+        assert torch.equal(got, expected), variant

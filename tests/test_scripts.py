@@ -296,6 +296,22 @@ def test_bench_mc_scorer_tiny_run():
     assert branch["mc_reused"] > 0 and "mc_prefill_tokens" in branch
 
 
+def test_bench_process_credit_tiny_run():
+    main = _script_main("benchmarks/bench_process_credit.py", "bench_process_credit")
+    threads = torch.get_num_threads()
+    try:
+        out = main(["--steps", "1", "--prompts", "2", "--num-rollouts", "3",
+                    "--max-new-tokens", "16", "--repeats", "1", "--warmup", "0",
+                    "--device", "cpu"])
+    finally:
+        torch.set_num_threads(threads)
+    assert out["generated_tokens"] > 0 and out["credit"] > 0 and out["rollouts"] > 0
+    assert out["credit_share"] > 0 and out["credit_prefix_decoding"] > 0
+    for arm in ("outcome", "process"):  # whole groups of G = 3, every row with its tokens
+        assert out[f"{arm}_rows"] == 3 * out[f"{arm}_groups"] <= 6
+        assert out[f"{arm}_rows"] <= out[f"{arm}_tokens"] <= 16 * out[f"{arm}_rows"]
+
+
 def test_bench_inference_scaling_tiny_run():
     main = _script_main("benchmarks/bench_inference_scaling.py", "bench_inference_scaling")
     threads = torch.get_num_threads()
