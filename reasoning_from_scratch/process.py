@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import random
 import re
 from collections.abc import Sequence
 
@@ -54,6 +55,8 @@ SPLIT_MODES = ("tags", "blank_lines", "newlines", "regex")
 #: Forms added to the outcome advantage: token t of completion i gets
 #: `A_outcome_i + alpha * credit_{i,k(t)}`, k(t) the step that owns t (`anchored_credit`).
 ANCHORED_VARIANTS = ("first-error", "progress", "clip", "delta", "pure", "value-delta")
+# Placebo controls of the anchored forms' step credit (`control_credit`).
+CREDIT_CONTROLS = ("none", "flat", "shuffled")
 VARIANTS = ("sum", "process+outcome", "min", "position", *ANCHORED_VARIANTS)
 
 _NEWLINE = re.compile(r"\r\n|\n|\r")
@@ -362,6 +365,8 @@ def process_advantages(
     alpha: float = 1.0,
     threshold: float = 0.5,
     eta: float = 0.5,
+    control: str = "none",
+    generator: random.Random | None = None,
 ) -> torch.Tensor:
     """Token-level process advantages `(G, max(completion_lengths))` for one group of rollouts.
 
@@ -393,6 +398,8 @@ def process_advantages(
       `threshold` deciding a correct step and `eta` the clip form's threshold. The outcome term
       is needed (GRPO-VPS, arXiv 2604.20659; VPPO, arXiv 2601.18984); only `"pure"` runs without
       it (`outcome_advantages=None`: PURE gives verifiable rewards to a share of prompts only).
+      `control` ("flat", "shuffled"; `generator` for the shuffle) replaces their credit by a
+      placebo of it first (`control_credit`).
     """
     if variant not in VARIANTS:
         raise ValueError(f"process_advantages: unknown variant {variant!r}; expected {VARIANTS}")
@@ -400,6 +407,7 @@ def process_advantages(
     G, T = len(lengths), max(lengths)
     if variant in ANCHORED_VARIANTS:
         credit = anchored_credit(step_rewards, variant, threshold, eta, eps=eps)
+        credit = control_credit(credit, step_ends, control, generator)
         adv = _expand_steps(credit, step_ends, lengths, T) * alpha  # (G, T)
         if outcome_advantages is None and variant == "pure":
             return adv
@@ -422,6 +430,38 @@ def process_advantages(
     if variant == "process+outcome":
         adv = adv + _outcome_tokens(outcome_advantages, lengths, T, variant)
     return adv
+
+
+def control_credit(credit, step_ends, control: str = "none",
+                   generator: random.Random | None = None) -> list[list[float]]:
+    """A placebo of the step credit, one list per completion, to test *where* credit lands.
+
+    - `"none"`: the credit itself.
+    - `"flat"`: every step of a completion gets the token-weighted mean of its credits, so each
+      token carries `sum_k credit_k * n_k / sum_k n_k` (n_k: tokens of step k): the completion's
+      total credit over its tokens is unchanged, its distribution among the steps is gone.
+    - `"shuffled"`: the credits permuted among the completion's own steps (each step keeps its
+      tokens), with `generator` (a `random.Random`; a fresh unseeded one if None).
+    """
+    if control not in CREDIT_CONTROLS:
+        raise ValueError(f"control_credit: unknown control {control!r}; expected "
+                         f"{CREDIT_CONTROLS}")
+    if control == "none":
+        return [list(cr) for cr in credit]
+    if control == "shuffled":
+        rng = generator if generator is not None else random.Random()
+        out = []
+        for cr in credit:
+            cr = list(cr)
+            rng.shuffle(cr)
+            out.append(cr)
+        return out
+    out = []
+    for cr, es in zip(credit, step_ends):
+        sizes = [int(e) - p for p, e in zip([-1, *list(es)[:-1]], es)]  # tokens per step
+        total = sum(float(c) * n for c, n in zip(cr, sizes))
+        out.append([total / sum(sizes)] * len(cr) if sizes else [])
+    return out
 
 
 def _expand_steps(credit, step_ends, lengths, T) -> torch.Tensor:

@@ -10,6 +10,7 @@ its scorer) < `online_prm.py` (the PRM re-fitted during RL) < this module.
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 
@@ -17,21 +18,31 @@ from .online_prm import OnlinePRMStepScorer, OutcomeStepLabeler
 from .prm import PRMStepScorer, load_prm
 from .process import (
     ANCHORED_VARIANTS,
+    CREDIT_CONTROLS,
     VARIANTS,
     completion_steps,
     process_advantages,
     step_statistics,
 )
-from .step_scorers import MonteCarloStepScorer, StepScorer, VerifierStepScorer, as_step_scorer
+from .step_scorers import (
+    AnswerBeliefStepScorer,
+    FormatStepScorer,
+    MonteCarloStepScorer,
+    StepScorer,
+    VerifierStepScorer,
+    as_step_scorer,
+)
 
 
 def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
                       **mc_kwargs) -> StepScorer:
-    """A scorer from a command-line spec: verifier | verifier-signed | verifier-think | mc |
-    mc-hard | mc-branch | prm:PATH | online-prm:PATH | online-prm-outcome:PATH
+    """A scorer from a command-line spec: verifier | verifier-signed | verifier-think | format |
+    belief | mc | mc-hard | mc-branch | prm:PATH | online-prm:PATH | online-prm-outcome:PATH
     (`verifier-think`: steps count only in the think format, `VerifierStepScorer(think_only=
-    True)`; `mc-branch`: Monte-Carlo values from the group's own completions and continuations
-    branched from the rollouts' caches, `MonteCarloStepScorer(branch=True)`).
+    True)`; `format`: the think format alone, `FormatStepScorer` (a placebo); `belief`: the
+    policy's probability of the gold answer after each step, `AnswerBeliefStepScorer`
+    (GRPO-VPS); `mc-branch`: Monte-Carlo values from the group's own completions and
+    continuations branched from the rollouts' caches, `MonteCarloStepScorer(branch=True)`).
 
     `mc` samples with `model` (the policy being trained, so it follows the current policy);
     `mc_kwargs` go to `MonteCarloStepScorer`. `prm:PATH` loads a model saved by `prm.save_prm`;
@@ -45,6 +56,12 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
         return VerifierStepScorer(signed=True)
     if spec == "verifier-think":
         return VerifierStepScorer(think_only=True)
+    if spec == "format":
+        return FormatStepScorer()
+    if spec == "belief":
+        if model is None or tokenizer is None:
+            raise ValueError("the belief step scorer needs the policy model and tokenizer")
+        return AnswerBeliefStepScorer(model, tokenizer, device)
     if spec in ("mc", "mc-hard", "mc-branch"):
         if model is None or tokenizer is None:
             raise ValueError("the mc step scorer needs the policy model and tokenizer")
@@ -61,21 +78,22 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
             prm, prm_tokenizer = load_prm(spec[len(prefix):], device=device)
             return OnlinePRMStepScorer(prm, prm_tokenizer, labeler)
     raise ValueError(f"unknown step scorer {spec!r}; expected verifier, verifier-signed, "
-                     "verifier-think, mc, mc-hard, mc-branch, prm:PATH, online-prm:PATH or "
-                     "online-prm-outcome:PATH")
+                     "verifier-think, format, belief, mc, mc-hard, mc-branch, prm:PATH, "
+                     "online-prm:PATH or online-prm-outcome:PATH")
 
 
 def process_token_advantages(
     rollouts, example: dict, tokenizer, step_scorer, prompt: str | None = None,
     variant: str = "sum", split_mode: str = "tags", pattern: str | None = None,
     outcome_advantages=None, eps: float = 1e-4, alpha: float = 1.0,
+    credit_control: str = "none", generator: random.Random | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Process advantages `(G, T)` for the G rollouts of one prompt (`generation.Rollouts`).
 
     Splits each completion into steps, maps them onto its generated tokens, scores the steps with
     `step_scorer` (anything `step_scorers.as_step_scorer` accepts) and applies
     `process_advantages` with `variant` (and `alpha`, the weight of the outcome-anchored forms'
-    step credit). T is `rollouts.completion_ids.shape[1]`. Returns the
+    step credit; `credit_control` with `generator`, a placebo of that credit, `control_credit`). T is `rollouts.completion_ids.shape[1]`. Returns the
     advantages and an info dict: `steps` (texts), `step_rewards`, `step_ends`, `stats`
     (`step_statistics` plus the scorer's cost).
     """
@@ -101,7 +119,8 @@ def process_token_advantages(
                              f"for the {len(ss)} steps of completion {g}")
     adv = torch.zeros(G, T, dtype=torch.float32)  # (G, T)
     if max(lengths, default=0) > 0:
-        a = process_advantages(rewards, ends, lengths, variant, outcome_advantages, eps, alpha)
+        a = process_advantages(rewards, ends, lengths, variant, outcome_advantages, eps, alpha,
+                               control=credit_control, generator=generator)
         adv[:, : a.shape[1]] = a
     stats = step_statistics(rewards, ends)
     stats.update(scorer.cost())
@@ -121,7 +140,11 @@ class ProcessAdvantageFn:
     """
 
     def __init__(self, tokenizer, step_scorer, variant: str = "sum", split_mode: str = "tags",
-                 pattern: str | None = None, alpha: float = 1.0, verifiable_share: float = 0.1):
+                 pattern: str | None = None, alpha: float = 1.0, verifiable_share: float = 0.1,
+                 credit_control: str = "none", seed: int = 0):
+        if credit_control not in CREDIT_CONTROLS:
+            raise ValueError(f"ProcessAdvantageFn: unknown credit control {credit_control!r}; "
+                             f"expected {CREDIT_CONTROLS}")
         if variant not in VARIANTS:
             raise ValueError(f"ProcessAdvantageFn: unknown variant {variant!r}; "
                              f"expected {VARIANTS}")
@@ -132,6 +155,8 @@ class ProcessAdvantageFn:
         self.step_scorer = as_step_scorer(step_scorer)
         self.variant, self.split_mode, self.pattern = variant, split_mode, pattern
         self.alpha, self.verifiable_share = float(alpha), float(verifiable_share)
+        self.credit_control = credit_control
+        self.generator = random.Random(seed)  # the shuffled control's permutations
         self.last_stats: dict[str, float] = {}
         self.last_infos: list[dict] = []
 
@@ -144,6 +169,7 @@ class ProcessAdvantageFn:
                 ro, example, self.tokenizer, self.step_scorer, variant=self.variant,
                 split_mode=self.split_mode, pattern=self.pattern,
                 outcome_advantages=self._outcome_of(n, outcome_advantages), alpha=self.alpha,
+                credit_control=self.credit_control, generator=self.generator,
             )
             T = min(adv.shape[1], Tc)
             padded = torch.zeros(adv.shape[0], Tc, dtype=torch.float32)
@@ -176,13 +202,15 @@ def make_process_advantage_fn(
     tokenizer, step_scorer="verifier", variant: str = "sum", split_mode: str = "tags",
     pattern: str | None = None, model=None, device=None, mc_rollouts: int = 4,
     mc_max_new_tokens: int = 64, mc_temperature: float = 1.0, mc_generator=None,
-    alpha: float = 1.0, verifiable_share: float = 0.1,
+    alpha: float = 1.0, verifiable_share: float = 0.1, credit_control: str = "none",
+    seed: int = 0,
 ) -> ProcessAdvantageFn:
     """A `ProcessAdvantageFn` from a scorer object or a spec string (verifier | verifier-signed |
     mc | mc-hard | prm:PATH | online-prm:PATH, see `build_step_scorer`); `mc` samples with
     `model`, the policy being trained, so its values follow the current policy. `alpha`: weight
     of the outcome-anchored variants' step credit; `verifiable_share`: PURE's share of groups
-    with the outcome term."""
+    with the outcome term; `credit_control`: "none", or a placebo of that credit ("flat",
+    "shuffled", seeded by `seed`; `process.control_credit`)."""
     if isinstance(step_scorer, str):
         mc_kwargs = {}
         if step_scorer.startswith("mc"):
@@ -190,4 +218,4 @@ def make_process_advantage_fn(
                              temperature=mc_temperature, generator=mc_generator)
         step_scorer = build_step_scorer(step_scorer, model, tokenizer, device, **mc_kwargs)
     return ProcessAdvantageFn(tokenizer, step_scorer, variant, split_mode, pattern, alpha,
-                              verifiable_share)
+                              verifiable_share, credit_control, seed)

@@ -9,6 +9,10 @@ completions of a prompt, batched where that saves work). `steps` are the step te
 - `MonteCarloStepScorer`: Math-Shepherd (Wang et al. 2024, arXiv 2312.08935, section 3.3): from
   each step prefix sample k continuations with the current policy; "soft" = fraction that reach
   the correct answer, "hard" = 1 if any does. Costs generated tokens, which it counts.
+- `FormatStepScorer`: a placebo that sees only the think format (step 1: think or not).
+- `AnswerBeliefStepScorer`: GRPO-VPS (Zhu et al. 2026, arXiv 2604.20659): the policy's own
+  probability of the gold answer, appended with an answer cue after each step prefix; one
+  batched forward per group, no sampling, no extra model.
 - `ForwardStepScorer` / `CallableStepScorer`: adapters for any object with
   `forward(prompt, step_text) -> float` (a reward model called step by step) or any callable;
   `as_step_scorer` picks the right one.
@@ -127,6 +131,102 @@ class VerifierStepScorer(StepScorer):
     def score(self, prompt, steps, example):
         wrong = -1.0 if self.signed else 0.0
         return [1.0 if good else wrong for good in self.correct_steps(steps, example)]
+
+
+class FormatStepScorer(StepScorer):
+    """A placebo scorer that sees only the format: step 1 scores 1.0 for a think-format
+    completion (0.0 otherwise), every later step 0.0. With the `progress` form the credit is
+    `(f_i - mean f) / std f` on the first step and nothing else: a format reward placed where
+    the think-only verifier's credit mostly lands, without any arithmetic."""
+
+    name = "format"
+
+    def score(self, prompt, steps, example):
+        think = 1.0 if has_think_format("".join(steps)) else 0.0
+        return [think] + [0.0] * (len(steps) - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Answer belief (GRPO-VPS)
+# ----------------------------------------------------------------------------------------------
+
+
+def answer_cue(prefix: str) -> str:
+    """Text that asks for the final answer right after `prefix`: close an open think block,
+    then open the box, as the think format ends (`"\\n</think>\\n\\boxed{"`)."""
+    newline = "" if prefix.endswith("\n") or not prefix else "\n"
+    if "<think>" in prefix and "</think>" not in prefix:
+        return newline + "</think>\n\\boxed{"
+    return newline + "\\boxed{"
+
+
+class AnswerBeliefStepScorer(StepScorer):
+    """Step values from the policy's belief in the gold answer (GRPO-VPS, arXiv 2604.20659).
+
+    After each step prefix but the last, the value is `exp(mean log p(answer tokens | prompt +
+    prefix + answer_cue(prefix)))`, the geometric mean probability of the gold answer's tokens,
+    in [0, 1]; the last step's value is the outcome (`reward_rlvr` of the completion, 1 or 0),
+    as VinePPO's last step. Use it with the `value-delta` form: a step's credit is how much it
+    raised the belief. Rows of all completions go through one right-padded no-grad forward
+    (causal attention, so the padding after a row never reaches it). Every token of those rows
+    counts as a scorer token.
+    """
+
+    name = "belief"
+
+    def __init__(self, model, tokenizer, device=None, batch_rows: int = 64):
+        self.model, self.tokenizer = model, tokenizer
+        self.device = device if device is not None else next(model.parameters()).device
+        self.batch_rows = batch_rows
+        self.tokens = 0
+
+    def cost(self):
+        return {"scorer_tokens": float(self.tokens)}
+
+    def _rows(self, prompt, steps_per_completion, answer):
+        """(ids, answer length) of every (completion, step prefix) to probe, and their keys."""
+        answer_ids = self.tokenizer.encode(answer)
+        rows, keys = [], []
+        for i, steps in enumerate(steps_per_completion):
+            for k in range(1, len(steps)):  # the last step is scored by the outcome
+                prefix = "".join(steps[:k])
+                ids = self.tokenizer.encode(prompt + prefix + answer_cue(prefix))
+                rows.append((ids + answer_ids, len(answer_ids)))
+                keys.append((i, k - 1))
+        return rows, keys
+
+    @torch.no_grad()
+    def beliefs(self, rows) -> list[float]:
+        """exp(mean log-prob) of each row's last `n` tokens, `rows` = [(ids, n), ...]."""
+        out = []
+        for start in range(0, len(rows), self.batch_rows):
+            chunk = rows[start:start + self.batch_rows]
+            width = max(len(ids) for ids, _ in chunk)
+            batch = torch.zeros(len(chunk), width, dtype=torch.long)
+            for r, (ids, _) in enumerate(chunk):  # right padding: positions stay 0..len-1
+                batch[r, : len(ids)] = torch.tensor(ids)
+            logp = torch.log_softmax(self.model(batch.to(self.device)).float(), dim=-1)
+            for r, (ids, n) in enumerate(chunk):
+                pos = torch.arange(len(ids) - n, len(ids))  # the answer's positions
+                tok = torch.tensor(ids[len(ids) - n:])
+                lp = logp[r, pos - 1].cpu().gather(-1, tok[:, None])  # (n, 1)
+                out.append(float(lp.mean().exp()))
+            self.tokens += sum(len(ids) for ids, _ in chunk)
+        return out
+
+    def score_group(self, prompt, steps_per_completion, example):
+        answer = str(example["answer"])
+        rows, keys = self._rows(prompt, steps_per_completion, answer)
+        values = [[0.0] * len(s) for s in steps_per_completion]
+        for (i, j), v in zip(keys, self.beliefs(rows)):
+            values[i][j] = v
+        for i, steps in enumerate(steps_per_completion):
+            if steps:
+                values[i][-1] = reward_rlvr("".join(steps), answer)
+        return values
+
+    def score(self, prompt, steps, example):
+        return self.score_group(prompt, [steps], example)[0]
 
 
 # ----------------------------------------------------------------------------------------------

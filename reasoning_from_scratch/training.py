@@ -92,7 +92,7 @@ from .interrupts import (
     stop_signal_names,
 )
 from .plotting import plot_grpo_metrics
-from .process import VARIANTS, step_statistics
+from .process import CREDIT_CONTROLS, VARIANTS, step_statistics
 from .process_supervision import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
@@ -219,7 +219,8 @@ class GRPOConfig:
         choices=SUPERVISIONS)
     step_scorer: str = option("verifier",
         "process supervision step scorer: verifier | verifier-signed | verifier-think (steps "
-        "count only in the think format) | mc | mc-hard | mc-branch (Monte-Carlo from the group "
+        "count only in the think format) | format (the think format alone, a placebo) | belief "
+        "(the policy's probability of the gold answer after each step, GRPO-VPS) | mc | mc-hard | mc-branch (Monte-Carlo from the group "
         "and branched caches) | prm:PATH | online-prm:PATH | "
         "online-prm-outcome:PATH (a PRM re-fitted on the rollouts with verifier / outcome labels)")
     process_variant: str = option("sum",
@@ -237,6 +238,11 @@ class GRPOConfig:
         "weight of the step credit in the outcome-anchored process variants (first-error, "
         "progress, clip, delta, pure, value-delta; process.anchored_credit)",
         rule=non_negative)
+    process_credit_control: str = option("none",
+        "placebo controls of the outcome-anchored forms' step credit: none | flat (each "
+        "completion's total credit spread evenly over its tokens) | shuffled (the credits "
+        "permuted among a completion's own steps); process.control_credit",
+        choices=CREDIT_CONTROLS)
     # loss
     loss_type: str = option("grpo",
         "grpo: per-sequence token mean; dapo: batch token mean; dr_grpo: sum/(B*max tokens); "
@@ -785,7 +791,8 @@ def _process_advantage_fn(model, tokenizer, device, config):
         tokenizer, config.step_scorer, config.process_variant, config.step_split,
         model=model, device=device, mc_rollouts=config.mc_rollouts,
         mc_max_new_tokens=config.max_new_tokens, mc_temperature=config.temperature,
-        alpha=config.process_alpha,
+        alpha=config.process_alpha, credit_control=config.process_credit_control,
+        seed=config.seed,
     )
 
 

@@ -128,3 +128,55 @@ def test_progress_token_advantages_add_the_outcome_anchor():
     want = torch.tensor([[-0.7, -0.7, -0.7 - s, -0.7 - s, 0.0],
                          [0.7, 0.7, 0.7 + s, 0.7, 0.7]])
     torch.testing.assert_close(adv, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Placebo controls of the credit (process.control_credit)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_flat_control_spreads_each_completions_total_over_its_tokens():
+    from reasoning_from_scratch.process import control_credit
+
+    # completion 0: steps of 2, 2, 1 tokens (ends 1, 3, 4) with credit 1, -0.5, 2
+    # -> total 1*2 - 0.5*2 + 2*1 = 3 over 5 tokens = 0.6 each
+    credit = [[1.0, -0.5, 2.0], [0.3]]
+    ends = [[1, 3, 4], [2]]
+    close(control_credit(credit, ends, "flat"), [[0.6] * 3, [0.3]])
+    adv = process_advantages([[1, 1, 0], [1]], ends, [5, 3], variant="progress",
+                             outcome_advantages=[0.5, -0.5], alpha=1.0, control="flat", eps=0.0)
+    plain = process_advantages([[1, 1, 0], [1]], ends, [5, 3], variant="progress",
+                               outcome_advantages=[0.5, -0.5], alpha=1.0, eps=0.0)
+    # same total per completion, every token of a completion equal
+    torch.testing.assert_close(adv.sum(dim=1), plain.sum(dim=1))
+    assert torch.all(adv[0, :5] == adv[0, 0]) and torch.all(adv[1, :3] == adv[1, 0])
+
+
+def test_shuffled_control_permutes_within_each_completion_reproducibly():
+    import random
+
+    from reasoning_from_scratch.process import control_credit
+
+    credit = [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0]]
+    ends = [[0, 1, 2, 3], [0, 1]]
+    a = control_credit(credit, ends, "shuffled", random.Random(7))
+    b = control_credit(credit, ends, "shuffled", random.Random(7))
+    assert a == b  # seeded
+    assert sorted(a[0]) == credit[0] and sorted(a[1]) == credit[1]
+    assert a != credit  # seed 7 moves something: rng.shuffle of [1, 2, 3, 4] is not the identity
+    assert control_credit(credit, ends, "none") == credit
+    with pytest.raises(ValueError, match="unknown control"):
+        control_credit(credit, ends, "mixed")
+
+
+def test_format_scorer_with_progress_credits_the_first_step_only():
+    from reasoning_from_scratch.step_scorers import FormatStepScorer
+
+    think = [" <think>\nStep 1: 1+2=3\n", "</think>\n\\boxed{3}"]
+    plain = ["Step 1: 1+2=3\n", "\\boxed{3}"]
+    scores = FormatStepScorer().score_group("", [think, plain, think, ["\\boxed{4}"]], {})
+    assert scores == [[1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0]]
+    # f = (1, 0, 1, 0): credit (f - 0.5) / std(f), std = sqrt(1/3), on step 1 alone
+    got = anchored_credit(scores, "progress", eps=0.0)
+    c = 0.5 / (1 / 3) ** 0.5
+    close(got, [[c, 0.0], [-c, 0.0], [c, 0.0], [-c]])

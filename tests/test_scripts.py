@@ -150,6 +150,37 @@ def test_ch08_jobs_equal_the_sequential_runs(tmp_path):
     assert (tmp_path / "two" / "recommended-seed0" / "final_levels.json").is_file()
 
 
+def test_ch08_control_arms_run_with_their_settings(tmp_path):
+    """The controls and the new forms train end to end (2 steps), each with its own settings."""
+    main = _ch08_main()
+    argv = ["--arms", "outcome,outcome-format-any-w1,format-progress,placebo,shuffled,vps,pure",
+            "--seeds", "0", "--eval-points", "1", "--steps", "2", "--eval-examples", "4",
+            "--prompts-per-step", "2", "--num-rollouts", "3", "--max-new-tokens", "24",
+            "--train-examples", "20", "--device", "cpu", "--no-progress",
+            "--output-dir", str(tmp_path)]
+    threads = torch.get_num_threads()
+    try:
+        main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+    def settings(arm):
+        return json.loads((tmp_path / f"{arm}-seed0" / "curve.json").read_text())["settings"]
+
+    assert settings("outcome-format-any-w1")["format_reward_conditional"] is False
+    assert settings("outcome-format-any-w1")["format_reward_weight"] == 1.0
+    assert "process_credit_control" not in settings("outcome")
+    assert settings("placebo")["process_credit_control"] == "flat"
+    assert settings("shuffled")["process_credit_control"] == "shuffled"
+    assert settings("placebo")["skip_zero_advantage"] is True
+    assert (settings("format-progress")["step_scorer"], settings("vps")["step_scorer"]) == (
+        "format", "belief")
+    assert settings("vps")["process_variant"] == "value-delta"
+    rows = {r["arm"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    assert rows["vps"]["scorer_tokens"]["mean"] > 0  # the belief probes are counted
+    assert rows["placebo"]["scorer_tokens"]["mean"] == 0
+
+
 def test_ch07_compare_tiny_run(tmp_path):
     """Three arms (one of them with 4 inner epochs) x 2 steps, 1 seed; then --report-only."""
     main = runpy.run_path(str(ROOT / "chapters" / "ch07_compare.py"),

@@ -352,3 +352,43 @@ def test_mc_branch_on_a_real_model_costs_less_than_the_text_scorer(tokenizer):
     assert branch["mc_generated_tokens"] < text["mc_generated_tokens"]
     assert branch["mc_prefill_tokens"] > 0 and "mc_prefill_tokens" not in text
     assert not model.training
+
+
+# ---------------------------------------------------------------------------------------------
+# Answer belief (GRPO-VPS)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_answer_cue_closes_an_open_think_block():
+    from reasoning_from_scratch.step_scorers import answer_cue
+
+    assert answer_cue(" <think>\nStep 1: 1+2=3\n") == "</think>\n\\boxed{"
+    assert answer_cue(" <think>\nStep 1: 1+2=3") == "\n</think>\n\\boxed{"
+    assert answer_cue("Step 1: 1+2=3\n") == "\\boxed{"
+
+
+def test_answer_belief_by_hand_on_a_tiny_model(tokenizer):
+    from reasoning_from_scratch.process_supervision import build_step_scorer
+    from reasoning_from_scratch.step_scorers import AnswerBeliefStepScorer, answer_cue
+
+    torch.manual_seed(0)
+    model = Qwen3Model(tiny_config(vocab_size=tokenizer.vocab_size)).eval()
+    scorer = AnswerBeliefStepScorer(model, tokenizer, batch_rows=3)  # rows in two batches
+    prompt = render_prompt(EXAMPLE["problem"])
+    good, bad = steps_of(GOOD), steps_of(BAD)
+    values = scorer.score_group(prompt, [good, bad], EXAMPLE)
+    assert values[0][-1] == 1.0 and values[1][-1] == 0.0  # last steps: the outcome
+    # step 2's value of the wrong completion, by hand: one unpadded row
+    prefix = "".join(bad[:2])
+    ids = tokenizer.encode(prompt + prefix + answer_cue(prefix))
+    ans = tokenizer.encode(EXAMPLE["answer"])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids + ans])), dim=-1)[0]
+    want = torch.stack([logp[len(ids) + j - 1, a] for j, a in enumerate(ans)]).mean().exp()
+    assert values[1][1] == pytest.approx(float(want), abs=1e-5)
+    assert all(0.0 < v < 1.0 for v in values[0][:-1] + values[1][:-1])
+    # every token of the probed rows is counted: (len(good) - 1) + (len(bad) - 1) rows
+    assert scorer.cost()["scorer_tokens"] > (len(good) + len(bad) - 2) * len(ids) * 0.5
+    assert isinstance(build_step_scorer("belief", model, tokenizer), AnswerBeliefStepScorer)
+    with pytest.raises(ValueError, match="needs the policy model"):
+        build_step_scorer("belief")

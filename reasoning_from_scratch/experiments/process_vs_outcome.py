@@ -16,6 +16,11 @@ seeds each:
   (`prm.train_prm_on_arithmetic`, sized by the --prm-* flags) and cached in <output-dir>/prm/.
 - verifier+outcome (and mc+outcome, not run by default): the verifier's (MC's) step advantages
   plus the outcome advantage on every token (`process_advantages(variant="process+outcome")`).
+- the outcome-anchored forms (`ARMS`: first-error, progress, pure, vine, vps, online-prm,
+  recommended, ...) and the controls that test what a gain is made of: outcome with the format
+  reward paid whatever the answer (outcome-format-any, -w1), progress credit for the think
+  format alone (format-progress), and recommended's own credit spread evenly over each
+  completion's tokens (placebo) or shuffled among its steps (shuffled).
 
 The process arms keep the groups whose outcome rewards are all equal (the trainer's
 `skip_zero_advantage` looks at outcome rewards only, and such groups can still differ step by
@@ -109,12 +114,32 @@ ARMS = {
     "online-prm-outcome": ("online-prm-outcome", "progress"),
     # the configuration chapter 8 recommends (see docs/process_supervision_forms.md)
     "recommended": ("verifier-think", "progress"),
+    "recommended-a05": ("verifier-think", "progress"),
+    "recommended-a2": ("verifier-think", "progress"),
+    "pure": ("verifier", "pure"),
+    # GRPO-VPS: value differences of the policy's belief in the gold answer (no verifier)
+    "vps": ("belief", "value-delta"),
+    # controls: what the recommended arm's gain is made of
+    "outcome-format-any": (None, None), "outcome-format-any-w1": (None, None),
+    "format-progress": ("format", "progress"),
+    "placebo": ("verifier-think", "progress"), "shuffled": ("verifier-think", "progress"),
 }
 # Per-arm GRPOConfig values that differ from the shared flags. The recommended arm drops the
 # groups whose token advantages are all zero (equal outcomes and equal verified steps): they
 # carry no signal, and training on them doubled the update's cost.
-ARM_CONFIG = {"recommended": {"process_alpha": 1.0, "skip_zero_advantage": True},
-              "vine-k2": {"mc_rollouts": 2}}
+RECOMMENDED = {"process_alpha": 1.0, "skip_zero_advantage": True}
+ARM_CONFIG = {"recommended": RECOMMENDED,
+              "recommended-a05": {**RECOMMENDED, "process_alpha": 0.5},
+              "recommended-a2": {**RECOMMENDED, "process_alpha": 2.0},
+              "vine-k2": {"mc_rollouts": 2},
+              # the format reward paid whatever the answer (weight 0.5 as outcome's, and 1.0)
+              "outcome-format-any": {"format_reward_conditional": False},
+              "outcome-format-any-w1": {"format_reward_conditional": False,
+                                        "format_reward_weight": 1.0},
+              "format-progress": RECOMMENDED,
+              # the recommended credit with its placement among the steps removed
+              "placebo": {**RECOMMENDED, "process_credit_control": "flat"},
+              "shuffled": {**RECOMMENDED, "process_credit_control": "shuffled"}}
 DEFAULT_ARMS = "outcome,verifier,mc,prm,verifier+outcome"
 LABELS = {
     "outcome": "outcome", "verifier": "process (verifier)", "mc": "process (MC)",
@@ -132,6 +157,15 @@ LABELS = {
     "online-prm": "outcome + progress (online PRM, verifier labels)",
     "online-prm-outcome": "outcome + progress (online PRM, outcome labels)",
     "recommended": "recommended: outcome + progress (verifier-think, skip zero-signal groups)",
+    "recommended-a05": "recommended, step credit x 0.5",
+    "recommended-a2": "recommended, step credit x 2",
+    "pure": "PURE min form (verifier)",
+    "vps": "outcome + answer-belief value differences (GRPO-VPS)",
+    "outcome-format-any": "control: outcome, format reward 0.5 whatever the answer",
+    "outcome-format-any-w1": "control: outcome, format reward 1.0 whatever the answer",
+    "format-progress": "control: outcome + progress of the think format alone",
+    "placebo": "control: recommended's credit spread evenly over each completion",
+    "shuffled": "control: recommended's credit shuffled among each completion's steps",
 }
 COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm": "tab:orange",
           "verifier+outcome": "tab:olive", "mc+outcome": "tab:purple",
@@ -141,7 +175,10 @@ COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm"
           "prm-delta": "tab:brown", "prm-pure": "gold", "prm-progress": "darkorange",
           "mc-delta": "darkred", "vine": "firebrick", "vine-k2": "salmon",
           "online-prm": "tab:purple", "online-prm-outcome": "indigo",
-          "recommended": "black"}
+          "recommended": "black", "recommended-a05": "dimgrey", "recommended-a2": "slategrey",
+          "pure": "gold", "vps": "tab:green", "outcome-format-any": "lightblue",
+          "outcome-format-any-w1": "steelblue", "format-progress": "tab:olive",
+          "placebo": "tab:pink", "shuffled": "tab:brown"}
 # Held-out figures of every evaluated checkpoint (keys of evaluate()'s summary; may be None).
 METRICS = ("accuracy", "step_correctness", "right_answer_wrong_step", "think_accuracy",
            "format_rate")
@@ -152,7 +189,8 @@ PER_RUN = {"seed": "--seeds sets each run's seed", "supervision": "each arm sets
 # Fields that do not change what a run learns or how it is scored (ignored when reusing runs).
 COSMETIC = ("output_dir", "progress", "eval_batch_size", "report_to", "sample_every",
             "checkpoint_minutes", "keep_checkpoints", "stop_signals")
-PROCESS_FIELDS = ("step_scorer", "process_variant", "step_split", "mc_rollouts", "process_alpha")
+PROCESS_FIELDS = ("step_scorer", "process_variant", "step_split", "mc_rollouts", "process_alpha",
+                  "process_credit_control")
 
 
 @dataclass
@@ -198,7 +236,7 @@ def _run_config(arm, seed, values, args, prm_path, run_dir):
                  step_scorer=f"{spec}:{prm_path}" if _uses_prm(arm) else spec,
                  process_variant=variant or values["process_variant"],
                  skip_zero_advantage=args.process_skip_zero_advantage)
-        d.update(ARM_CONFIG.get(arm, {}))
+    d.update(ARM_CONFIG.get(arm, {}))
     return GRPOConfig.from_dict(d)
 
 
@@ -218,6 +256,9 @@ def _run_settings(config, args, prm_report=None):
         s.pop("mc_rollouts")
     if config.supervision == "process" and config.process_variant not in ANCHORED_VARIANTS:
         s.pop("process_alpha")
+        s.pop("process_credit_control")
+    if s.get("process_credit_control") == "none":
+        s.pop("process_credit_control")  # runs from before the controls existed stay reusable
     s.update(model=args.model, eval_split=args.eval_split, train_examples=args.train_examples,
              train_level_weights=args.train_level_weights)
     if config.supervision == "process" and config.step_scorer.split(":")[0] in (
