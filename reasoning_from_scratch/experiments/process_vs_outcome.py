@@ -123,6 +123,7 @@ ARMS = {
     "outcome-format-any": (None, None), "outcome-format-any-w1": (None, None),
     "format-progress": ("format", "progress"),
     "placebo": ("verifier-think", "progress"), "shuffled": ("verifier-think", "progress"),
+    "placebo-a2": ("verifier-think", "progress"), "shuffled-a2": ("verifier-think", "progress"),
 }
 # Per-arm GRPOConfig values that differ from the shared flags. The recommended arm drops the
 # groups whose token advantages are all zero (equal outcomes and equal verified steps): they
@@ -139,7 +140,10 @@ ARM_CONFIG = {"recommended": RECOMMENDED,
               "format-progress": RECOMMENDED,
               # the recommended credit with its placement among the steps removed
               "placebo": {**RECOMMENDED, "process_credit_control": "flat"},
-              "shuffled": {**RECOMMENDED, "process_credit_control": "shuffled"}}
+              "shuffled": {**RECOMMENDED, "process_credit_control": "shuffled"},
+              "placebo-a2": {**RECOMMENDED, "process_alpha": 2.0, "process_credit_control": "flat"},
+              "shuffled-a2": {**RECOMMENDED, "process_alpha": 2.0,
+                              "process_credit_control": "shuffled"}}
 DEFAULT_ARMS = "outcome,verifier,mc,prm,verifier+outcome"
 LABELS = {
     "outcome": "outcome", "verifier": "process (verifier)", "mc": "process (MC)",
@@ -166,6 +170,8 @@ LABELS = {
     "format-progress": "control: outcome + progress of the think format alone",
     "placebo": "control: recommended's credit spread evenly over each completion",
     "shuffled": "control: recommended's credit shuffled among each completion's steps",
+    "placebo-a2": "control: recommended x 2's credit spread evenly over each completion",
+    "shuffled-a2": "control: recommended x 2's credit shuffled among each completion's steps",
 }
 COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm": "tab:orange",
           "verifier+outcome": "tab:olive", "mc+outcome": "tab:purple",
@@ -178,7 +184,8 @@ COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm"
           "recommended": "black", "recommended-a05": "dimgrey", "recommended-a2": "slategrey",
           "pure": "gold", "vps": "tab:green", "outcome-format-any": "lightblue",
           "outcome-format-any-w1": "steelblue", "format-progress": "tab:olive",
-          "placebo": "tab:pink", "shuffled": "tab:brown"}
+          "placebo": "tab:pink", "shuffled": "tab:brown", "placebo-a2": "hotpink",
+          "shuffled-a2": "peru"}
 # Held-out figures of every evaluated checkpoint (keys of evaluate()'s summary; may be None).
 METRICS = ("accuracy", "step_correctness", "right_answer_wrong_step", "think_accuracy",
            "format_rate")
