@@ -244,6 +244,7 @@ def test_ch07_script_process_supervision(tmp_path):
 @pytest.mark.parametrize("scorer,variant", [
     ("verifier", "first-error"), ("verifier-think", "progress"), ("verifier", "clip"),
     ("verifier", "delta"), ("verifier", "pure"), ("mc-branch", "value-delta"),
+    ("format", "progress"), ("belief", "value-delta"),
 ])
 def test_ch07_script_runs_the_outcome_anchored_forms(tmp_path, scorer, variant):
     """ch07_train.py --supervision process --process-variant NAME, one step each."""
@@ -259,8 +260,11 @@ def test_ch07_script_runs_the_outcome_anchored_forms(tmp_path, scorer, variant):
     config = json.loads((out / "config.json").read_text())
     assert (config["step_scorer"], config["process_variant"], config["process_alpha"]) == (
         scorer, variant, 0.5)
-    if scorer != "mc-branch":  # the verifier generates nothing
-        assert read_metrics(out / "metrics.csv")[0]["scorer_tokens"] == 0
+    scorer_tokens = read_metrics(out / "metrics.csv")[0]["scorer_tokens"]
+    if scorer in ("mc-branch", "belief"):  # continuations, belief probes
+        assert scorer_tokens > 0
+    else:  # the verifier and the format check read nothing
+        assert scorer_tokens == 0
 
 
 def test_compute_grpo_loss_process_gives_token_advantages():
