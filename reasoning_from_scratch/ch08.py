@@ -16,11 +16,25 @@ from .prm import (
     train_prm,
     train_prm_on_arithmetic,
 )
-from .process import process_advantages, split_steps, step_statistics, step_token_ends
+from .plotting import draw_token_advantages
+from .process import (
+    anchored_credit,
+    control_credit,
+    process_advantages,
+    split_steps,
+    step_statistics,
+    step_token_ends,
+)
 from .process_supervision import (
     ProcessAdvantageFn,
     build_step_scorer,
     make_process_advantage_fn,
     process_token_advantages,
 )
-from .step_scorers import MonteCarloStepScorer, StepScorer, VerifierStepScorer
+from .step_scorers import (
+    AnswerBeliefStepScorer,
+    FormatStepScorer,
+    MonteCarloStepScorer,
+    StepScorer,
+    VerifierStepScorer,
+)
