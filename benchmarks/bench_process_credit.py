@@ -37,7 +37,10 @@ from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.grading import grade_answer
 from reasoning_from_scratch.grpo import collect_rollouts, grpo_loss_on_batch
 from reasoning_from_scratch.process import VARIANTS
-from reasoning_from_scratch.process_supervision import make_process_advantage_fn
+from reasoning_from_scratch.process_supervision import (
+    build_step_scorer,
+    make_process_advantage_fn,
+)
 from reasoning_from_scratch.rewards import build_reward
 from reasoning_from_scratch.validation import non_negative_int, positive_int
 from reasoning_from_scratch.weights import load_pretrained
@@ -126,8 +129,9 @@ def measure_step(model, tokenizer, examples, device, args, seed):
     """Outcome step parts, the credit's seconds and both arms' update sizes for one batch."""
     reward = Timed(build_reward(tokenizer, 0.5, True))  # the chapter 8 default reward
     outcome, collect_s = collect(model, tokenizer, examples, device, reward, args, seed)
-    fn = make_process_advantage_fn(tokenizer, args.step_scorer, args.variant, alpha=args.alpha)
-    worst = make_process_advantage_fn(DecodeOnly(tokenizer), args.step_scorer, args.variant,
+    scorer = build_step_scorer(args.step_scorer, model, tokenizer, device)  # belief: the policy
+    fn = make_process_advantage_fn(tokenizer, scorer, args.variant, alpha=args.alpha)
+    worst = make_process_advantage_fn(DecodeOnly(tokenizer), scorer, args.variant,
                                       alpha=args.alpha)
     probe = CreditProbe(fn, worst, args.repeats)
     process, _ = collect(model, tokenizer, examples, device, Timed(reward.fn), args, seed, probe)

@@ -181,7 +181,7 @@ COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm"
           "prm-delta": "tab:brown", "prm-pure": "gold", "prm-progress": "darkorange",
           "mc-delta": "darkred", "vine": "firebrick", "vine-k2": "salmon",
           "online-prm": "tab:purple", "online-prm-outcome": "indigo",
-          "recommended": "black", "recommended-a05": "dimgrey", "recommended-a2": "slategrey",
+          "recommended": "black", "recommended-a05": "dimgrey", "recommended-a2": "darkviolet",
           "pure": "gold", "vps": "tab:green", "outcome-format-any": "lightblue",
           "outcome-format-any-w1": "steelblue", "format-progress": "tab:olive",
           "placebo": "tab:pink", "shuffled": "tab:brown", "placebo-a2": "hotpink",
