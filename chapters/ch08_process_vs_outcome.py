@@ -1,7 +1,8 @@
 """Chapter 8 experiment: outcome vs process supervision in GRPO, at equal steps and equal tokens.
 
-Trains the same base model with the same GRPO settings several ways (arms: outcome, verifier, mc,
-prm, verifier+outcome, mc+outcome), several seeds each, evaluates checkpoints along the way and
+Trains the same base model with the same GRPO settings several ways (arms: outcome, the process
+forms, and controls such as a placebo of the step credit; --arms lists them), several seeds
+each, evaluates checkpoints along the way and
 writes a table (results.md, results.json) and a figure (process_vs_outcome.png) comparing them at
 equal training steps and at equal generated tokens. The experiment, its arms and the table's
 columns are described in reasoning_from_scratch/experiments/process_vs_outcome.py; this
@@ -12,6 +13,13 @@ Examples:
     python chapters/ch08_process_vs_outcome.py --seeds 0 --steps 10 --arms outcome,verifier
     python chapters/ch08_process_vs_outcome.py --arms outcome,prm --prm runs/prm-<timestamp>
     python chapters/ch08_process_vs_outcome.py --report-only       # table and figure again
+    # where the format cannot decide: the think-native base model, 16 runs at once
+    python chapters/ch08_process_vs_outcome.py --model tiny-arith-think \
+        --arms outcome,recommended-a2,placebo-a2 --seeds 3,4,5 --steps 60 --prompts-per-step 8 \
+        --eval-points 12 --jobs 16
+
+Simplified: one CPU thread per run; --jobs N trains N runs at once in worker processes (the
+table is the same as one at a time, the seconds are each run's own).
 """
 
 import argparse
