@@ -38,7 +38,12 @@ from reasoning_from_scratch.grpo import (
 )
 from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, Qwen3Model, tiny_config
-from reasoning_from_scratch.rewards import CompositeReward, RewardTerm, correctness_reward
+from reasoning_from_scratch.rewards import (
+    CompositeReward,
+    RewardTerm,
+    TimedReward,
+    correctness_reward,
+)
 from reasoning_from_scratch.tiny_world import TINY_ARITH_ARCH
 
 PROBLEMS = [{"problem": f"{a}+{b}*{c}", "answer": str(a + b * c)}
@@ -66,20 +71,6 @@ def even_fraction(text, ids, prompt_len, example):
     """A reward with signal for a random model: fraction of even generated ids."""
     gen = ids[prompt_len:]
     return float((gen % 2 == 0).float().mean()) if gen.numel() else 0.0
-
-
-class Timed:
-    """Wrap a reward function and add up the seconds spent in it (the scoring time)."""
-
-    def __init__(self, fn):
-        self.fn, self.seconds = fn, 0.0
-        self.names = getattr(fn, "names", None)
-
-    def __call__(self, *args):
-        t = time.perf_counter()
-        out = self.fn(*args)
-        self.seconds += time.perf_counter() - t
-        return out
 
 
 def sync(device):
@@ -186,7 +177,7 @@ def run(size, args, device):
         ref = copy.deepcopy(model).requires_grad_(False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         tok = NoEosTokenizer(model.cfg.vocab_size)
-        reward = Timed(CompositeReward([RewardTerm("correct", correctness_reward),
+        reward = TimedReward(CompositeReward([RewardTerm("correct", correctness_reward),
                                         RewardTerm("even", even_fraction)]))
         gen = torch.Generator(device=device).manual_seed(0)
         if device.type == "cuda":

@@ -41,23 +41,9 @@ from reasoning_from_scratch.process_supervision import (
     build_step_scorer,
     make_process_advantage_fn,
 )
-from reasoning_from_scratch.rewards import build_reward
+from reasoning_from_scratch.rewards import TimedReward, build_reward
 from reasoning_from_scratch.validation import non_negative_int, positive_int
 from reasoning_from_scratch.weights import load_pretrained
-
-
-class Timed:
-    """Wrap a reward function and add up the seconds spent in it."""
-
-    def __init__(self, fn):
-        self.fn, self.seconds = fn, 0.0
-        self.names = getattr(fn, "names", None)
-
-    def __call__(self, *args):
-        t = time.perf_counter()
-        out = self.fn(*args)
-        self.seconds += time.perf_counter() - t
-        return out
 
 
 class DecodeOnly:
@@ -127,14 +113,15 @@ def update_seconds(model, batch, args):
 
 def measure_step(model, tokenizer, examples, device, args, seed):
     """Outcome step parts, the credit's seconds and both arms' update sizes for one batch."""
-    reward = Timed(build_reward(tokenizer, 0.5, True))  # the chapter 8 default reward
+    reward = TimedReward(build_reward(tokenizer, 0.5, True))  # the chapter 8 default reward
     outcome, collect_s = collect(model, tokenizer, examples, device, reward, args, seed)
     scorer = build_step_scorer(args.step_scorer, model, tokenizer, device)  # belief: the policy
     fn = make_process_advantage_fn(tokenizer, scorer, args.variant, alpha=args.alpha)
     worst = make_process_advantage_fn(DecodeOnly(tokenizer), scorer, args.variant,
                                       alpha=args.alpha)
     probe = CreditProbe(fn, worst, args.repeats)
-    process, _ = collect(model, tokenizer, examples, device, Timed(reward.fn), args, seed, probe)
+    process, _ = collect(model, tokenizer, examples, device, TimedReward(reward.fn), args, seed,
+                         probe)
     G = args.num_rollouts
     return {
         "rollouts": collect_s - reward.seconds, "rewards": reward.seconds,

@@ -41,13 +41,13 @@ from reasoning_from_scratch.tiny_world import (
     build_tiny_model,
     format_figures,
 )
-from reasoning_from_scratch.weights import BUNDLED_MODELS
 from reasoning_from_scratch.validation import (
     non_negative_int,
     positive_float,
     positive_int,
     unit_float,
 )
+from reasoning_from_scratch.weights import BUNDLED_MODELS
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "reasoning_from_scratch" / "assets"

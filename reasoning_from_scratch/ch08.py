@@ -8,6 +8,7 @@ from .experiments.process_vs_outcome import (
     summarise,
     write_table,
 )
+from .plotting import draw_token_advantages
 from .prm import (
     PRMStepScorer,
     ProcessRewardModel,
@@ -16,7 +17,6 @@ from .prm import (
     train_prm,
     train_prm_on_arithmetic,
 )
-from .plotting import draw_token_advantages
 from .process import (
     anchored_credit,
     control_credit,

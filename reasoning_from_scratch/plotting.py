@@ -1,7 +1,7 @@
 """Plots of training metrics: one run's raw and smoothed curves with evaluation accuracy as bars
 (`plot_grpo_metrics`, a run's metrics.png), and several runs on shared axes, seeds of one
-setting as mean ± sd (`plot_runs`, chapters/compare_runs.py); token advantages of a group as a heat map
-(`draw_token_advantages`, chapter 8).
+setting as mean ± sd (`plot_runs`, chapters/compare_runs.py); token advantages of a group as a
+heat map (`draw_token_advantages`, chapter 8).
 
 The evaluation bars start with the model before training at step 0 (from `base`, or from the
 run's summary.json), so a gain is read against where the run started.

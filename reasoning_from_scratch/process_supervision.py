@@ -93,9 +93,9 @@ def process_token_advantages(
     Splits each completion into steps, maps them onto its generated tokens, scores the steps with
     `step_scorer` (anything `step_scorers.as_step_scorer` accepts) and applies
     `process_advantages` with `variant` (and `alpha`, the weight of the outcome-anchored forms'
-    step credit; `credit_control` with `generator`, a placebo of that credit, `control_credit`). T is `rollouts.completion_ids.shape[1]`. Returns the
-    advantages and an info dict: `steps` (texts), `step_rewards`, `step_ends`, `stats`
-    (`step_statistics` plus the scorer's cost).
+    step credit; `credit_control` with `generator`, a placebo of that credit, `control_credit`).
+    T is `rollouts.completion_ids.shape[1]`. Returns the advantages and an info dict: `steps`
+    (texts), `step_rewards`, `step_ends`, `stats` (`step_statistics` plus the scorer's cost).
     """
     scorer = as_step_scorer(step_scorer)
     if prompt is None:

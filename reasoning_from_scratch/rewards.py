@@ -10,6 +10,7 @@ reward with wrong answers).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -116,3 +117,18 @@ def build_reward(tokenizer=None, format_reward_weight=0.0, format_reward_conditi
                    only_if="correct" if format_reward_conditional else None),
     ]
     return CompositeReward(terms + list(extra_terms))
+
+
+class TimedReward:
+    """A reward function that adds up the seconds spent in it (`seconds`), for benchmarks that
+    split a GRPO step into rollouts, scoring and update; `names` passes through."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds = fn, 0.0
+        self.names = getattr(fn, "names", None)
+
+    def __call__(self, *args):
+        t = time.perf_counter()
+        out = self.fn(*args)
+        self.seconds += time.perf_counter() - t
+        return out

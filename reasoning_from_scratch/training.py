@@ -220,8 +220,9 @@ class GRPOConfig:
     step_scorer: str = option("verifier",
         "process supervision step scorer: verifier | verifier-signed | verifier-think (steps "
         "count only in the think format) | format (the think format alone, a placebo) | belief "
-        "(the policy's probability of the gold answer after each step, GRPO-VPS) | mc | mc-hard | mc-branch (Monte-Carlo from the group "
-        "and branched caches) | prm:PATH | online-prm:PATH | "
+        "(the policy's probability of the gold answer after each step, GRPO-VPS) | mc | mc-hard "
+        "| mc-branch (Monte-Carlo from the group and branched caches) | prm:PATH | "
+        "online-prm:PATH | "
         "online-prm-outcome:PATH (a PRM re-fitted on the rollouts with verifier / outcome labels)")
     process_variant: str = option("sum",
         "process advantage: sum (DeepSeekMath) | process+outcome | min (PURE) | position | "
