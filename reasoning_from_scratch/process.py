@@ -432,6 +432,11 @@ def process_advantages(
     return adv
 
 
+def step_sizes(ends: Sequence[int]) -> list[int]:
+    """Tokens of each step, from the steps' last token indices."""
+    return [int(e) - p for p, e in zip([-1, *[int(x) for x in ends][:-1]], ends)]
+
+
 def control_credit(credit, step_ends, control: str = "none",
                    generator: random.Random | None = None) -> list[list[float]]:
     """A placebo of the step credit, one list per completion, to test *where* credit lands.
@@ -458,7 +463,7 @@ def control_credit(credit, step_ends, control: str = "none",
         return out
     out = []
     for cr, es in zip(credit, step_ends):
-        sizes = [int(e) - p for p, e in zip([-1, *list(es)[:-1]], es)]  # tokens per step
+        sizes = step_sizes(es)
         total = sum(float(c) * n for c, n in zip(cr, sizes))
         out.append([total / sum(sizes)] * len(cr) if sizes else [])
     return out
@@ -674,7 +679,7 @@ def step_statistics(
         "error_free_rate": 1.0 - len(first_errors) / len(counts) if counts else float("nan"),
     }
     if step_ends is not None:
-        sizes = [e - p for es in step_ends for p, e in zip([-1, *list(es)[:-1]], es)]
+        sizes = [n for es in step_ends for n in step_sizes(es)]
         stats["tokens_per_step"] = sum(sizes) / len(sizes) if sizes else float("nan")
     return stats
 

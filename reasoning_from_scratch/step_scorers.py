@@ -205,12 +205,16 @@ class AnswerBeliefStepScorer(StepScorer):
             batch = torch.zeros(len(chunk), width, dtype=torch.long)
             for r, (ids, _) in enumerate(chunk):  # right padding: positions stay 0..len-1
                 batch[r, : len(ids)] = torch.tensor(ids)
-            logp = torch.log_softmax(self.model(batch.to(self.device)).float(), dim=-1)
-            for r, (ids, n) in enumerate(chunk):
-                pos = torch.arange(len(ids) - n, len(ids))  # the answer's positions
-                tok = torch.tensor(ids[len(ids) - n:])
-                lp = logp[r, pos - 1].cpu().gather(-1, tok[:, None])  # (n, 1)
-                out.append(float(lp.mean().exp()))
+            # The logits only where an answer token is predicted: a real vocabulary at every
+            # position of every row would not fit.
+            rows_idx = [r for r, (ids, n) in enumerate(chunk) for _ in range(n)]
+            pos_idx = [len(ids) - n - 1 + j for ids, n in chunk for j in range(n)]
+            targets = torch.tensor([t for ids, n in chunk for t in ids[len(ids) - n:]])
+            h = self.model.forward_hidden(batch.to(self.device))  # (B, T, C)
+            logits = self.model.lm_head(h[rows_idx, pos_idx]).float()  # (answer tokens, V)
+            lp = torch.log_softmax(logits, dim=-1).cpu().gather(-1, targets[:, None])[:, 0]
+            for piece in lp.split([n for _, n in chunk]):
+                out.append(float(piece.mean().exp()))
             self.tokens += sum(len(ids) for ids, _ in chunk)
         return out
 
