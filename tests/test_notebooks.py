@@ -17,8 +17,11 @@ they run, they are clean, they match the package, their text agrees with their o
 - Every chapter notebook ends with an "Exercises" section of 2-3 exercises (headed
   `### Exercise N.k: ...`, or paragraphs led by `**N.k ...**`) and has a solutions notebook,
   notebooks/solutions/chNN_solutions.ipynb, that answers each under a `## N.k` heading.
+- No code cell is longer than 30 lines: a cell does one job (drawing code lives in
+  notebooks/figures/, long functions are split into helpers).
 - Every image a notebook's text shows exists; the diagrams under notebooks/figures/ can be
-  redrawn by notebooks/figures/ch02_ch09_diagrams.py.
+  redrawn by the scripts beside them (notebooks/figures/*_diagrams.py); chapters 6 and 7 show
+  at least 8 figures each (embedded diagrams plus plots among the outputs).
 
 Select these tests with `pytest -m notebooks`, skip them with `pytest -m "not notebooks"`.
 """
@@ -48,6 +51,8 @@ TIME_LIMIT_S = float(os.environ.get("RFS_NOTEBOOK_TIME_LIMIT_S", "180"))
 SOLUTIONS_TIME_LIMIT_S = float(os.environ.get("RFS_SOLUTIONS_TIME_LIMIT_S", "60"))
 MIN_OUTPUT_SHARE = 0.8
 EXERCISES = (2, 3)  # exercises per chapter, at least and at most
+MAX_CELL_LINES = 30
+MIN_FIGURES = {6: 8, 7: 8}  # chapter -> figures it shows at least
 
 
 def _name(path):
@@ -170,7 +175,23 @@ def test_notebook_is_committed_executed(path):
         for n, line in enumerate(cell.source.splitlines(), start=1):
             if len(line) > MAX_LINE:
                 problems.append(f"cell {i} line {n}: {len(line)} > {MAX_LINE} characters")
+    problems += long_cells(nb)
     assert not problems, f"{_name(path)}:\n" + "\n".join(problems)
+
+
+def long_cells(nb):
+    """A problem line for each code cell of more than MAX_CELL_LINES lines."""
+    return [f"code cell {i} has {n} lines (at most {MAX_CELL_LINES}: split it)"
+            for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+            and (n := len(cell.source.rstrip().splitlines())) > MAX_CELL_LINES]
+
+
+def test_long_cell_check_flags_a_long_cell():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("\n".join(["x = 1"] * MAX_CELL_LINES)),
+                nbformat.v4.new_markdown_cell("\n".join(["text"] * 50)),
+                nbformat.v4.new_code_cell("\n".join(["x = 1"] * (MAX_CELL_LINES + 1)))]
+    assert long_cells(nb) == [f"code cell 2 has {MAX_CELL_LINES + 1} lines (at most 30: split it)"]
 
 
 def test_executed_check_flags_a_stripped_notebook():
@@ -464,15 +485,45 @@ def test_notebook_images_exist(path):
     assert not missing, f"{_name(path)} shows images that do not exist: {missing}"
 
 
-def test_diagrams_are_drawn(tmp_path):
+def figure_count(nb):
+    """Figures a notebook shows: images its markdown embeds plus plots among its outputs."""
+    embedded = sum(len(IMAGE_LINK.findall(c.source)) for c in nb.cells
+                   if c.cell_type == "markdown")
+    plots = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
+                for o in c.get("outputs", []))
+    return embedded + plots
+
+
+@pytest.mark.parametrize("chapter", sorted(MIN_FIGURES))
+def test_chapter_shows_its_figures(chapter):
+    (path,) = [p for p in CHAPTERS if _chapter(p) == chapter]
+    shown = figure_count(_read(path))
+    assert shown >= MIN_FIGURES[chapter], (
+        f"{_name(path)} shows {shown} figures, want at least {MIN_FIGURES[chapter]}")
+
+
+def test_figure_count_counts_images_and_plots():
+    nb = nbformat.v4.new_notebook()
+    plot = nbformat.v4.new_output("display_data", data={"image/png": "iVBOR", "text/plain": ""})
+    nb.cells = [nbformat.v4.new_markdown_cell("![a](figures/a.png) and ![b](figures/b.png)"),
+                nbformat.v4.new_code_cell("plt.show()", outputs=[plot]),
+                nbformat.v4.new_code_cell("print(1)")]
+    assert figure_count(nb) == 3
+
+
+DIAGRAM_SCRIPTS = sorted((NOTEBOOK_DIR / "figures").glob("*_diagrams.py"))
+
+
+@pytest.mark.parametrize("script", DIAGRAM_SCRIPTS, ids=[p.name for p in DIAGRAM_SCRIPTS])
+def test_diagrams_are_drawn(script, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    script = NOTEBOOK_DIR / "figures" / "ch02_ch09_diagrams.py"
-    spec = importlib.util.spec_from_file_location("diagrams", script)
+    monkeypatch.syspath_prepend(str(script.parent))  # scripts share helpers, as when run
+    spec = importlib.util.spec_from_file_location(script.stem, script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.main(tmp_path)
     drawn = sorted(p.name for p in tmp_path.glob("*.png"))
     assert len(drawn) == len(module.DIAGRAMS)
     committed = {p.name for p in (NOTEBOOK_DIR / "figures").glob("*.png")}
-    assert set(drawn) <= committed, "redraw: python notebooks/figures/ch02_ch09_diagrams.py"
+    assert set(drawn) <= committed, f"redraw: python notebooks/figures/{script.name}"
     assert all((tmp_path / name).stat().st_size > 5_000 for name in drawn)
