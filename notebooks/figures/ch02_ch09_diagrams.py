@@ -12,7 +12,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyBboxPatch  # noqa: E402
+from matplotlib.patches import FancyBboxPatch, Rectangle  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 COLORS = {"data": "#e8f0fe", "model": "#fde8d7", "check": "#e6f4ea", "out": "#f3e8fd",
@@ -152,8 +152,95 @@ def distillation_diagram(out_dir):
     _save(fig, out_dir / "ch09_distillation.png")
 
 
-DIAGRAMS = (model_diagram, evaluation_diagram, vote_diagram, scorer_diagram,
-            distillation_diagram)
+def _cell(ax, x, y, text, color, size=8, w=0.9, h=0.6):
+    """A square grid cell centred at (x, y)."""
+    ax.add_patch(Rectangle((x - w / 2, y - h / 2), w, h, facecolor=color, edgecolor="#5f6368",
+                           linewidth=0.8))
+    if text:
+        ax.text(x, y, text, ha="center", va="center", fontsize=size)
+
+
+def _padded_batch(ax, rows):
+    """Left panel of the padding diagram: tokens, mask and RoPE position of each prompt."""
+    y = 5.6
+    for name, tokens in rows:
+        real = [t != "pad" for t in tokens]
+        positions = [str(sum(real[:j])) if r else "-" for j, r in enumerate(real)]
+        for label, values, kind in ((name, tokens, "tokens"), ("mask", real, "mask"),
+                                    ("position", positions, "pos")):
+            ax.text(-0.6, y, label, ha="right", va="center", fontsize=9)
+            for j, v in enumerate(values):
+                if kind == "tokens":
+                    _cell(ax, j, y, v, COLORS["none"] if v == "pad" else COLORS["data"])
+                else:
+                    ax.text(j, y, str(int(v)) if kind == "mask" else v, ha="center",
+                            va="center", fontsize=9)
+            y -= 0.7
+        y -= 0.35
+    last = len(rows[0][1]) - 1
+    ax.annotate("every row's last token:\nthe next one is\nread here", xy=(last + 0.3, 5.9),
+                xytext=(last + 0.9, 6.6), fontsize=8, ha="left",
+                arrowprops=dict(arrowstyle="->", color="#5f6368"))
+
+
+def _mask_grid(ax, tokens, x0, y0):
+    """Right panel: the attention mask of one left-padded prompt (causal and key is real)."""
+    n = len(tokens)
+    for i, q in enumerate(tokens):  # query rows, top to bottom
+        ax.text(x0 - 0.6, y0 - 0.6 * i, q, ha="right", va="center", fontsize=8)
+        for j, k in enumerate(tokens):
+            allowed = j <= i and k != "pad"
+            color = "#b7e1c1" if allowed else "white"
+            if q == "pad":
+                color = COLORS["none"]  # sees every key (no NaN); its output is never used
+            _cell(ax, x0 + 0.7 * j, y0 - 0.6 * i, "", color, w=0.7, h=0.6)
+    for j, k in enumerate(tokens):
+        ax.text(x0 + 0.7 * j, y0 + 0.5, k, ha="center", va="bottom", fontsize=8, rotation=90)
+    ax.text(x0 + 0.35 * (n - 1), y0 - 0.6 * n - 0.1,
+            "green: may attend (earlier or itself, and real)\n"
+            "grey: padding query rows, unused", ha="center", va="top", fontsize=8)
+
+
+def padding_diagram(out_dir):
+    """Chapter 2: a left-padded batch, its attention mask and RoPE positions."""
+    fig, ax = plt.subplots(figsize=(11.5, 4.6))
+    ax.set_xlim(-2.6, 17.0)
+    ax.set_ylim(0.2, 7.6)
+    ax.axis("off")
+    a = [f"a{i}" for i in range(1, 8)]
+    b = ["pad"] * 3 + [f"b{i}" for i in range(1, 5)]
+    _padded_batch(ax, [("prompt 0", a), ("prompt 1", b)])
+    ax.text(3.0, 7.35, "a left-padded batch (B = 2, T = 7)", ha="center", fontsize=10,
+            weight="bold")
+    _mask_grid(ax, b, 11.0, 5.6)
+    ax.text(13.1, 7.35, "prompt 1: which keys each query sees", ha="center", fontsize=10,
+            weight="bold")
+    _save(fig, out_dir / "ch02_left_padding.png")
+
+
+def expand_diagram(out_dir):
+    """Chapter 2 (used in chapter 6): prefill one prompt, expand its cache, decode G rows."""
+    fig, ax = _canvas(10.4, 2.4)
+    p = _box(ax, 1.3, 2.2, "prompt ids\n(1, P)", "data", w=1.9)
+    f = _box(ax, 4.1, 2.2, "prefill once:\nmodel(ids, cache=cache,\nlast_only=True)", "model",
+             w=2.7, h=1.0)
+    e = _box(ax, 7.3, 2.2, "cache.expand(G):\nkeys/values (1, H_kv, P, D)\n"
+             "-> (G, H_kv, P, D)", "check", w=2.9, h=1.0)
+    d = _box(ax, 10.6, 2.2, "decode G rows together:\nmodel(next (G, 1), is_real,\n"
+             "cache, last_only=True)", "model", w=3.0, h=1.0)
+    for a, b, wa, wb in ((p, f, 0.95, 1.35), (f, e, 1.35, 1.45), (e, d, 1.45, 1.5)):
+        _arrow(ax, (a[0] + wa + 0.05, a[1]), (b[0] - wb - 0.05, b[1]))
+    ax.annotate("", xy=(d[0] - 0.8, d[1] - 0.55), xytext=(d[0] + 0.8, d[1] - 0.55),
+                arrowprops=dict(arrowstyle="->", color="#5f6368",
+                                connectionstyle="arc3,rad=-0.6"))
+    ax.text(d[0], 0.75, "one token per row and step; a finished row feeds\n"
+            "padding (is_real False), masked out for the others", ha="center", va="top",
+            fontsize=8)
+    _save(fig, out_dir / "ch02_kv_expand.png")
+
+
+DIAGRAMS = (model_diagram, padding_diagram, expand_diagram, evaluation_diagram, vote_diagram,
+            scorer_diagram, distillation_diagram)
 
 
 def main(out_dir: Path = HERE) -> None:
