@@ -47,6 +47,7 @@ from ..distributed import (
     world_size,
 )
 from ..files import atomic_write_json, read_json
+from ..fsdp import init_group_of_one
 from ..interrupts import exit_status
 from ..tracking import REPORT_CHOICES, missing_backend, report_targets
 from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
@@ -261,6 +262,8 @@ def run_training(run: TrainRun):
     set_threads(run.threads)
     try:
         device = init_distributed(get_device(run.device))  # a no-op without torchrun
+        if run.config.fsdp:  # sharding needs a process group, even one of one process
+            init_group_of_one()
     except ValueError as err:  # e.g. torchrun on an MPS device: argparse's message and status
         print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
