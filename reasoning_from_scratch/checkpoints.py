@@ -37,9 +37,13 @@ from .weights import load_hf_state_dict, non_finite_tensors, read_safetensors, s
 
 STATE_FILE = "trainer_state.json"
 _CHECKPOINT_NAME = re.compile(r"checkpoint-\d+")  # not checkpoint-3.tmp / .old leftovers
+# A stopped run's exit status (75 after a stop signal, 130 after Ctrl-C), written beside its
+# checkpoints and removed when it resumes: under torchrun, which itself exits 1, it tells a
+# batch script to requeue the job (docs/preemption.md).
+STOPPED_FILE = "stopped"
 # What a run writes into its directory; a new run refuses a directory holding any of these.
 RUN_FILES = ("config.json", "metrics.csv", "samples.jsonl", "summary.json", "metrics.png",
-             "final", "reference", "tensorboard", "wandb")
+             "final", "reference", "tensorboard", "wandb", STOPPED_FILE)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -144,6 +144,12 @@ def optimizer_state_bytes(optimizer) -> int:
                if torch.is_tensor(v))
 
 
+def shard_sizes(model, optimizer) -> dict[str, int]:
+    """This process's share: parameter elements and AdamW state bytes (summary.json)."""
+    return {"param_elements": local_numel(model.parameters()),
+            "adamw_bytes": optimizer_state_bytes(optimizer)}
+
+
 # ----------------------------------------------------------------------------------------------
 # Sharded checkpoints (torch.distributed.checkpoint)
 # ----------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ import torch
 from tqdm import tqdm
 
 from .checkpoints import (
+    STOPPED_FILE,
     CheckpointPolicy,
     check_new_run_dir,
     clear_run_dir,
@@ -82,6 +83,7 @@ from .fsdp import (
     refresh_replica,
     save_sharded,
     shard_model,
+    shard_sizes,
 )
 from .grpo import (
     KL_ESTIMATORS,
@@ -98,6 +100,7 @@ from .grpo import (
 from .interrupts import (
     DEFAULT_STOP_SIGNALS,
     defer_interrupts,
+    exit_status,
     interrupt_exception,
     record_interrupts,
     stop_reason,
@@ -602,6 +605,7 @@ class _Run:
     def _open_logs(self, columns, resumed):
         """`open_logs` on rank 0."""
         self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / STOPPED_FILE).unlink(missing_ok=True)  # running again
         self.log = MetricsLog(self.out / "metrics.csv", columns,
                               keep_upto=self.completed if resumed else None)
         truncate_samples(self.out / "samples.jsonl", self.completed)
@@ -824,6 +828,7 @@ def _save_interrupted(run, stop):
     process)."""
     with defer_interrupts():
         path = run.checkpoint()
+        run_on_main(_mark_stopped, run.out, exit_status(stop))
     run.tracker.close()  # after the checkpoint: closing may take a moment
     if run.main:  # printed even without progress output
         tqdm.write(f"{stop_reason(stop)}: {path} holds {run.completed} update(s); continue "
@@ -859,6 +864,11 @@ def _show_step(bar, run, row):
     bar.set_postfix(reward=f"{row['reward_mean']:.2f}", correct=f"{row.get('correct_mean', 0):.2f}",
                     acc=f"{run.last_eval['accuracy']:.2f}")
     _print(run.config, _row_line(row))
+
+
+def _mark_stopped(out, status):
+    """`out`/stopped holding the exit status of a stopped run (rank 0; see STOPPED_FILE)."""
+    (out / STOPPED_FILE).write_text(f"{status}\n")
 
 
 def _fresh_dir(path):
@@ -923,6 +933,9 @@ def _summary(run, final, eval_examples, wall_seconds):
         "steps": run.config.steps, "wall_seconds": wall_seconds,
         "eval_examples": eval_examples, "output_dir": str(run.out),
         "world_size": world_size(),
+        # FSDP: what each process holds of the weights and the AdamW state (`fsdp.shard_sizes`)
+        **({"shards": all_gather_objects(shard_sizes(run.model, run.optimizer))}
+           if run.replica is not None else {}),
     }
 
 
