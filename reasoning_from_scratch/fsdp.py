@@ -230,9 +230,11 @@ def memory_per_process(cfg: Qwen3Config, world_size: int, sharded: bool, *,
 GB = 1e9
 
 
-def memory_table(world_sizes=(1, 2, 4, 8), gpu_gb: float = 80.0, **kwargs) -> str:
+def memory_table(world_sizes=(1, 2, 4, 8, 16), gpu_gb: float = 80.0, headroom_gb: float = 8.0,
+                 **kwargs) -> str:
     """docs/data_parallel.md's table (markdown): GB per process, DDP vs FSDP, each Qwen3 size
-    and process count; `*` marks what fits in `gpu_gb` (before activations)."""
+    and process count; `*` marks what fits a `gpu_gb` GPU with `headroom_gb` left for the
+    activations of the log-prob pass and the allocator (`memory_per_process` counts none)."""
     lines = ["| model | params | N | DDP GB/process | FSDP GB/process "
              "(policy+grads+AdamW / replica+ref / KV) |",
              "|---|---|---|---|---|"]
@@ -241,7 +243,8 @@ def memory_table(world_sizes=(1, 2, 4, 8), gpu_gb: float = 80.0, **kwargs) -> st
             ddp = memory_per_process(cfg, n, False, **kwargs)
             fsdp = memory_per_process(cfg, n, True, **kwargs)
             def cell(m):
-                return f"{m['total'] / GB:.1f}{' *' if m['total'] / GB <= gpu_gb else ''}"
+                fits = m["total"] / GB <= gpu_gb - headroom_gb
+                return f"{m['total'] / GB:.1f}{' *' if fits else ''}"
             parts = (f"{(fsdp['policy'] + fsdp['grads'] + fsdp['adamw']) / GB:.1f} / "
                      f"{(fsdp['rollout_copy'] + fsdp['reference']) / GB:.1f} / "
                      f"{fsdp['kv_cache'] / GB:.1f}")

@@ -28,6 +28,11 @@ the one-process update, up to float summation order. Rewards, samples and evalua
 are gathered, so metrics.csv, samples.jsonl and summary.json match a one-process run; its
 timing columns are rank 0's own clock. Rank 0 alone writes. Ctrl-C on any process is agreed on
 at the next phase boundary and stops every process there, with a checkpoint.
+
+With `fsdp` the weights, gradients and AdamW state are sharded over the processes instead
+(fsdp.py): rollouts, scoring and evaluation run on an unsharded replica refreshed after every
+update, the micro-batch counts are evened out, gradients are reduce-scattered as sums, and
+checkpoints hold the shards (torch.distributed.checkpoint) beside the weights in HF layout.
 """
 
 from __future__ import annotations

@@ -157,4 +157,20 @@ def test_fsdp_divides_what_ddp_replicates():
     assert ddp["total"] > 80e9 > fsdp["total"]  # 8B trains on 8 x 80 GB only sharded
     assert memory_per_process(cfg, 1, False)["total"] / 1e9 == pytest.approx(166.8, abs=0.1)
     table = memory_table()
-    assert table.count("\n") == 2 + 4 * 4 - 1  # header, rule, 4 sizes x 4 process counts
+    assert table.count("\n") == 2 + 4 * 5 - 1  # header, rule, 4 sizes x 5 process counts
+    assert "| Qwen3-8B | 8.19 B | 8 | 149.8 | 51.6 * (16.4 / 32.8 / 2.4) |" in table
+
+
+def test_process_supervision_scores_with_the_unsharded_replica(tmp_path):
+    """The Monte-Carlo step scorer samples continuations with the policy: the replica, which
+    each process decodes on alone."""
+    out = tmp_path / "run"
+    flags = ["--steps", "2", "--prompts-per-step", "2", "--num-rollouts", "4",
+             "--max-new-tokens", "32", "--eval-examples", "2", "--eval-every", "0",
+             "--train-examples", "32", "--supervision", "process", "--step-scorer", "mc-branch",
+             "--process-variant", "value-delta", "--mc-rollouts", "2", "--threads", "1",
+             "--device", "cpu", "--no-progress", "--fsdp"]
+    proc, _ = _torchrun(tmp_path, out, ["--output-dir", str(out), *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out / "metrics.csv")] == [1.0, 2.0]
+    assert len(json.loads((out / "summary.json").read_text())["shards"]) == 2
