@@ -84,6 +84,9 @@ def shard_model(model, mp_policy: MixedPrecisionPolicy | None = None):
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum over processes, not the mean
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (Gloo has no PREMUL)
+            # a parameter one process did not use this time (an untied lm_head after a
+            # micro-batch without answer tokens) contributes zeros, not a missing collective
+            module.set_reduce_scatter_unused_params(True, recurse=False)
     return model
 
 
