@@ -94,6 +94,16 @@ def test_final_is_the_gathered_model_in_hugging_face_layout(runs):
     assert (final / SHARDED_DIR / "__1_0.distcp").is_file()
 
 
+def test_transformers_loads_final(runs):
+    transformers = pytest.importorskip("transformers")
+    final = runs["two"] / "final"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    ours = load_pretrained(final, device="cpu")[0]
+    ids = torch.randint(0, ours.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(hf(ids).logits, ours(ids), atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def stopped(runs):
     """The sharded run stopped by SIGTERM at step 2's rollouts (torchrun exits 1)."""
