@@ -97,7 +97,7 @@ def test_final_is_the_gathered_model_in_hugging_face_layout(runs):
 def test_transformers_loads_final(runs):
     transformers = pytest.importorskip("transformers")
     final = runs["two"] / "final"
-    hf = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(final).eval()  # float32, as saved
     ours = load_pretrained(final, device="cpu")[0]
     ids = torch.randint(0, ours.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
