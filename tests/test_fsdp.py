@@ -1,15 +1,25 @@
 """Sharded GRPO (`--fsdp`, fsdp.py): two Gloo processes make the one-process run while each
-holds half of the weights and AdamW state, SIGTERM leaves a sharded checkpoint that one or two
-processes resume exactly, final/ is the gathered model, and the memory table's arithmetic."""
+holds half of the weights and AdamW state, a process without rows keeps pace with one that has
+them all, SIGTERM leaves a sharded checkpoint that one or two processes resume exactly, final/
+is the gathered model (for load_pretrained and transformers), and the memory table's
+arithmetic."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 from test_distributed import REWARD_COLUMNS, _ch07_main, _max_diff, _rows, _torchrun, _weights
 
+from reasoning_from_scratch import training
+from reasoning_from_scratch.datasets import load_dataset_by_name
 from reasoning_from_scratch.fsdp import (
     QWEN3_SIZES,
     SHARDED_DIR,
@@ -18,7 +28,9 @@ from reasoning_from_scratch.fsdp import (
     memory_per_process,
     memory_table,
 )
+from reasoning_from_scratch.grpo import collect_rollouts
 from reasoning_from_scratch.qwen3 import Qwen3Model
+from reasoning_from_scratch.rewards import build_reward
 from reasoning_from_scratch.run_log import read_metrics
 from reasoning_from_scratch.weights import load_pretrained
 
@@ -102,6 +114,64 @@ def test_transformers_loads_final(runs):
     ids = torch.randint(0, ours.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.allclose(hf(ids).logits, ours(ids), atol=1e-4)
+
+
+# One update of the bundled model on a fixed batch of 8 rollouts in micro-batches of 3: rank 0
+# holds every row (3 passes), rank 1 none (3 zero-weighted passes); rank 0 saves the weights.
+UNEVEN_WORKER = r"""
+import sys
+from dataclasses import replace
+import torch, torch.distributed as dist
+from safetensors.torch import save_file
+from reasoning_from_scratch import fsdp, training
+sys.path.insert(0, sys.argv[2])
+from test_fsdp import fixed_batch
+dist.init_process_group("gloo")
+model, batch, config = fixed_batch()
+fsdp.shard_model(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+mine = batch if dist.get_rank() == 0 else batch.rows(torch.zeros(batch.size, dtype=torch.bool))
+stats = training._update(model, optimizer, mine, None, None, config)
+state = fsdp.full_state(model)
+if dist.get_rank() == 0:
+    save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[1])
+    print("grad_norm", stats["grad_norm"])
+dist.destroy_process_group()
+"""
+
+
+def fixed_batch():
+    """(model, batch, config): 8 rollouts of two prompts with set advantages (both processes
+    and the one-process reference build the same)."""
+    model, tok = load_pretrained("tiny-arith", device="cpu")
+    examples = load_dataset_by_name("arith", "train", n=2)
+    batch = collect_rollouts(model, tok, examples, "cpu", build_reward(tok), num_rollouts=4,
+                             max_new_tokens=12, temperature=1.0, top_p=1.0,
+                             generator=training.rollout_generators("cpu", 0, 0, range(2)))
+    batch = replace(batch, advantages=torch.linspace(-1.0, 1.0, batch.size))
+    config = training.GRPOConfig(micro_batch_size=3, lr=1e-3, progress=False)
+    return model, batch, config
+
+
+def test_a_process_without_rows_keeps_the_others_company(tmp_path):
+    """Uneven micro-batch counts (8 rows against none) meet in every collective, and the
+    update is the one-process update on the whole batch."""
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN_WORKER)
+    out = tmp_path / "weights.safetensors"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(script), str(out),
+                          str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    model, batch, config = fixed_batch()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    stats = training._update(model, optimizer, batch, None, None, config)
+    assert stats["skipped"] == 0 and stats["grad_norm"] > 0
+    assert f"grad_norm {stats['grad_norm']}"[:16] in res.stdout
+    sharded = load_file(out)
+    assert max((sharded[k] - v).abs().max().item() for k, v in model.state_dict().items()) < 1e-6
 
 
 @pytest.fixture(scope="module")
