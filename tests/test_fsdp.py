@@ -214,6 +214,25 @@ def test_a_sharded_checkpoint_resumes_exactly_with_one_or_two_processes(
             [{c: r[c] for c in REWARD_COLUMNS} for r in rows_straight]
 
 
+def test_ctrl_c_on_one_rank_inside_the_update_stops_both_after_it(runs):
+    """Ctrl-C reaches rank 1 as step 2's update starts: the update (collectives included)
+    finishes on both, both save their shards, and a plain `python` resume (a group of one)
+    continues to the uninterrupted run's weights."""
+    out = runs["tmp"] / "ctrl-c"
+    proc, _ = _torchrun(runs["tmp"], out, ["--output-dir", str(out), *FLAGS, "--fsdp"],
+                        interrupt_at="1,update,2")
+    assert proc.returncode != 0
+    assert f"interrupted: {out / 'checkpoint-2'} holds 2 update(s)" in proc.stdout, \
+        proc.stderr[-3000:]
+    assert (out / "stopped").read_text() == "130\n"
+    threads = torch.get_num_threads()
+    try:
+        _ch07_main()(["--resume", str(out), "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)
+    assert _max_diff(_weights(out), _weights(runs["two"])) < 1e-5
+
+
 # ----------------------------------------------------------------------------------------------
 # The memory table
 # ----------------------------------------------------------------------------------------------
