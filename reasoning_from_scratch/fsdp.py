@@ -21,7 +21,8 @@ How the loop (training.py) uses it, one helper per concern:
   process with fewer rows (or none) makes up the difference with these, which add nothing.
 - `save_sharded` / `load_sharded`: model and AdamW shards through `torch.distributed.checkpoint`
   (DCP), which re-shards on load, so a run resumes with any number of processes.
-- `full_state`: the whole weights on every process (for final/ as a Hugging Face directory).
+- `full_state`: the whole weights, gathered on every process. final/ and every checkpoint get
+  their Hugging Face weights from the replica, which holds exactly these after each update.
 - `memory_per_process`: the bytes a process holds for a Qwen3 config (the table in
   docs/data_parallel.md); `local_numel` / `optimizer_state_bytes` measure the shards.
 
