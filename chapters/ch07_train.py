@@ -5,6 +5,7 @@ Examples:
     python chapters/ch07_train.py --eval-split val --seed 1      # tuning runs use the val split
     python chapters/ch07_train.py --resume runs/ch07-<timestamp>  # continue a run exactly
     torchrun --nproc-per-node 4 chapters/ch07_train.py    # data-parallel: 4 GPUs (or CPU procs)
+    torchrun --nproc-per-node 8 chapters/ch07_train.py --fsdp  # sharded (docs/data_parallel.md)
     python chapters/ch07_train.py --model Qwen/Qwen3-0.6B-Base --dataset math --max-new-tokens 512 \
         --lr 1e-6 --prompts-per-step 8 --num-rollouts 8 --micro-batch-size 8 --eval-examples 500
 """

@@ -32,13 +32,18 @@ from pathlib import Path
 import torch
 
 from .files import atomic_save_safetensors, atomic_write_json, free_space, read_json
+from .fsdp import is_sharded, is_sharded_checkpoint, load_sharded
 from .weights import load_hf_state_dict, non_finite_tensors, read_safetensors, save_pretrained
 
 STATE_FILE = "trainer_state.json"
 _CHECKPOINT_NAME = re.compile(r"checkpoint-\d+")  # not checkpoint-3.tmp / .old leftovers
+# A stopped run's exit status (75 after a stop signal, 130 after Ctrl-C), written beside its
+# checkpoints and removed when it resumes: under torchrun, which itself exits 1, it tells a
+# batch script to requeue the job (docs/preemption.md).
+STOPPED_FILE = "stopped"
 # What a run writes into its directory; a new run refuses a directory holding any of these.
 RUN_FILES = ("config.json", "metrics.csv", "samples.jsonl", "summary.json", "metrics.png",
-             "final", "reference", "tensorboard", "wandb")
+             "final", "reference", "tensorboard", "wandb", STOPPED_FILE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,14 +112,20 @@ def save_checkpoint(out_dir, model, tokenizer, optimizer, step, config, extra=No
     `step` is the number of optimizer updates the weights contain; `config` a dataclass or dict
     saved in trainer_state.json with `extra`. A failed write raises CheckpointWriteError after
     removing the temp dir (giving its space back); an existing `out_dir` survives it.
+    optimizer None: an FSDP run's checkpoint, whose model and AdamW shards every process has
+    already written into the temp dir (`fsdp.save_sharded`); `model` is then the unsharded
+    replica, whose weights go beside them in HF layout.
     """
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
+        structure = "sharded"
+        if optimizer is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         save_pretrained(model, tokenizer, tmp)  # HF layout: load_pretrained(out_dir) works
-        tensors, structure = _optimizer_to_flat(optimizer)
-        atomic_save_safetensors(tensors, tmp / "optimizer.safetensors")
+        if optimizer is not None:
+            tensors, structure = _optimizer_to_flat(optimizer)
+            atomic_save_safetensors(tensors, tmp / "optimizer.safetensors")
         atomic_save_safetensors(_rng_tensors(), tmp / "rng.safetensors")
         atomic_write_json(tmp / STATE_FILE, {
             "step": step, "config": asdict(config) if is_dataclass(config) else dict(config),
@@ -151,7 +162,8 @@ def checkpoint_problem(path) -> str | None:
     try:
         read_trainer_state(path)
         weights = load_hf_state_dict(path)
-        read_safetensors(path / "optimizer.safetensors")
+        if not is_sharded_checkpoint(path):  # DCP checks its own shards when it loads them
+            read_safetensors(path / "optimizer.safetensors")
         read_safetensors(path / "rng.safetensors")
     except (OSError, ValueError, KeyError) as err:
         return str(err)
@@ -223,12 +235,20 @@ def find_checkpoint_or_restart(path, log=print) -> Path | None:
 
 
 def load_checkpoint(path, model, optimizer) -> dict:
-    """Load weights, optimizer and RNG states of a checkpoint in place; returns trainer_state."""
+    """Load weights, optimizer and RNG states of a checkpoint in place; returns trainer_state.
+    A sharded (FSDP) model loads the shards of a sharded checkpoint, with any number of
+    processes; the two kinds do not mix."""
     path = find_checkpoint(path)
     state = read_trainer_state(path)
-    load_weights_into(model, path)
-    opt_tensors = read_safetensors(path / "optimizer.safetensors", device=str(model.device))
-    optimizer.load_state_dict(_optimizer_from_flat(opt_tensors, state["optimizer"]))
+    if is_sharded(model) != is_sharded_checkpoint(path):
+        kind = "with" if is_sharded_checkpoint(path) else "without"
+        raise ValueError(f"{path} was written by a run {kind} --fsdp; resume it the same way")
+    if is_sharded(model):
+        load_sharded(path, model, optimizer)
+    else:
+        load_weights_into(model, path)
+        opt_tensors = read_safetensors(path / "optimizer.safetensors", device=str(model.device))
+        optimizer.load_state_dict(_optimizer_from_flat(opt_tensors, state["optimizer"]))
     _restore_rng(read_safetensors(path / "rng.safetensors"))
     return state
 

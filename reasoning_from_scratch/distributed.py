@@ -20,6 +20,9 @@ What the GRPO loop (training.py) needs, and why each helper exists:
   does, would be right only with equal shares).
 - `run_on_main`: file writes happen on rank 0 alone; its errors reach every rank, so no rank
   waits forever in a collective that rank 0 never joins.
+
+This is replicated data parallelism: every process holds the whole model and its AdamW state.
+fsdp.py shards them instead (`--fsdp`), reusing these helpers for everything but the gradients.
 """
 
 from __future__ import annotations

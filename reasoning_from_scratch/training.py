@@ -28,6 +28,11 @@ the one-process update, up to float summation order. Rewards, samples and evalua
 are gathered, so metrics.csv, samples.jsonl and summary.json match a one-process run; its
 timing columns are rank 0's own clock. Rank 0 alone writes. Ctrl-C on any process is agreed on
 at the next phase boundary and stops every process there, with a checkpoint.
+
+With `fsdp` the weights, gradients and AdamW state are sharded over the processes instead
+(fsdp.py): rollouts, scoring and evaluation run on an unsharded replica refreshed after every
+update, the micro-batch counts are evened out, gradients are reduce-scattered as sums, and
+checkpoints hold the shards (torch.distributed.checkpoint) beside the weights in HF layout.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields, replace
@@ -44,6 +50,7 @@ import torch
 from tqdm import tqdm
 
 from .checkpoints import (
+    STOPPED_FILE,
     CheckpointPolicy,
     check_new_run_dir,
     clear_run_dir,
@@ -71,6 +78,18 @@ from .distributed import (
 )
 from .evaluation import EVAL_FIGURES, evaluate_policy
 from .files import atomic_write_json
+from .fsdp import (
+    dummy_backward,
+    full_tensor,
+    is_sharded,
+    local_tensor,
+    make_replica,
+    mixed_precision,
+    refresh_replica,
+    save_sharded,
+    shard_model,
+    shard_sizes,
+)
 from .grpo import (
     KL_ESTIMATORS,
     LOSS_TYPES,
@@ -86,6 +105,7 @@ from .grpo import (
 from .interrupts import (
     DEFAULT_STOP_SIGNALS,
     defer_interrupts,
+    exit_status,
     interrupt_exception,
     record_interrupts,
     stop_reason,
@@ -316,6 +336,9 @@ class GRPOConfig:
         "signals that save a checkpoint and stop the run like Ctrl-C, exit status 75 "
         "(comma-separated; 'none': only Ctrl-C)",
         rule=stop_signal_names)
+    fsdp: bool = option(False,
+        "shard the weights, gradients and AdamW state over the torchrun processes (FSDP2, "
+        "fsdp.py); rollouts and evaluation run on an unsharded replica; sharded checkpoints")
     seed: int = option(123, "random seed (prompt order, rollout sampling)", rule=non_negative)
     output_dir: str = option("runs/grpo",
         "run directory for metrics, samples, checkpoints, summary and plot")
@@ -459,7 +482,16 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None):
     mbs = config.micro_batch_size or max(1, batch.size)
     per_sequence = config.loss_type in SEQUENCE_LOSS_TYPES  # their statistics count completions
     sums, finite_ = {"ratio_max": None}, True
-    for start in range(0, batch.size, mbs):
+    sharded = is_sharded(model)
+    starts = list(range(0, batch.size, mbs))
+    # FSDP: every process runs as many forward/backward passes as the busiest one (its
+    # collectives must pair up); the extra ones are zero-weighted (`dummy_backward`)
+    passes = int(all_reduce_max([len(starts)])[0]) if sharded else len(starts)
+    for i in range(passes):
+        if i >= len(starts):
+            dummy_backward(model)
+            continue
+        start = starts[i]
         mb = batch.slice(start, start + mbs)
         w = micro_batch_weight(mb, batch, config.loss_type, (rows, tokens))
         # statistics are means over tokens (or completions): weight by this micro-batch's share
@@ -480,9 +512,13 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None):
         loss = out.pop("loss")
         if not torch.isfinite(loss):
             finite_ = False
-            break
+            if not sharded:
+                break
+            loss = loss * 0.0  # FSDP: the backward still runs everywhere; the update is skipped
         if loss.requires_grad:  # a micro-batch without loss tokens (all masked) has no graph
             (loss * w).backward()
+        if not finite_:
+            continue
         sums["loss"] = sums.get("loss", 0.0) + loss.item() * w
         for k in ("pg_loss", "kl"):
             sums[k] = sums.get(k, 0.0) + out[k] * w
@@ -496,13 +532,15 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None):
     sums = _reduce_loss_stats(sums)
     grad_norm = float("nan")
     if finite_:
-        all_reduce_grads(model.parameters())  # the whole batch's gradient on every process
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                         config.max_grad_norm))
-        finite_ = math.isfinite(grad_norm) and _grads_finite(model)
+        if not sharded:  # FSDP reduce-scattered the sums in the backward passes already
+            all_reduce_grads(model.parameters())  # the whole batch's gradient everywhere
+        # on DTensor shards the norm is the whole gradient's (FSDP: clipping the shards)
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                     config.max_grad_norm)))
+        finite_ = math.isfinite(grad_norm) and all_ranks(_grads_finite(model))
     if finite_:
         optimizer.step()
-        if not _params_finite(model):  # cannot happen with finite clipped gradients and lr
+        if not all_ranks(_params_finite(model)):  # impossible with finite gradients and lr
             raise FloatingPointError("the optimizer step made weights non-finite; nothing was "
                                      "saved from this step (lower --lr or --max-grad-norm)")
     else:  # never let a NaN/inf reach the weights or the AdamW moments
@@ -529,13 +567,13 @@ def _reduce_loss_stats(sums):
 
 def _grads_finite(model) -> bool:
     """Every gradient finite (after clipping: a NaN max norm would make them NaN)."""
-    return all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+    return all(bool(torch.isfinite(local_tensor(p.grad)).all()) for p in model.parameters()
                if p.grad is not None)
 
 
 def _params_finite(model) -> bool:
     """Every parameter finite."""
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return all(bool(torch.isfinite(local_tensor(p)).all()) for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -549,8 +587,9 @@ class _Run:
     samples, config.json and checkpoints (the weights are the same on every process).
     """
 
-    def __init__(self, out, model, tokenizer, optimizer, config):
+    def __init__(self, out, model, tokenizer, optimizer, config, replica=None):
         self.out, self.model, self.tokenizer = out, model, tokenizer
+        self.replica = replica  # FSDP: the unsharded copy, current after every update
         self.optimizer, self.config = optimizer, config
         self.main = is_main()
         self.completed = 0  # optimizer steps applied to the weights (skipped ones included)
@@ -571,6 +610,7 @@ class _Run:
     def _open_logs(self, columns, resumed):
         """`open_logs` on rank 0."""
         self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / STOPPED_FILE).unlink(missing_ok=True)  # running again
         self.log = MetricsLog(self.out / "metrics.csv", columns,
                               keep_upto=self.completed if resumed else None)
         truncate_samples(self.out / "samples.jsonl", self.completed)
@@ -614,6 +654,10 @@ class _Run:
         path = self.out / (name or f"checkpoint-{self.completed}")
         if key == self.saved:
             return path
+        if self.replica is not None:  # every process writes its shards first (DCP)
+            tmp = run_on_main(_fresh_dir, path.with_name(path.name + ".tmp"))
+            save_sharded(tmp, self.model, self.optimizer)
+            barrier()
         run_on_main(self._save, path)
         self.policy.saved()
         self.saved = key
@@ -625,8 +669,10 @@ class _Run:
 
     def _save(self, path):
         """`checkpoint` on rank 0."""
+        sharded = self.replica is not None  # weights from the replica, AdamW state in DCP
         save_checkpoint(
-            path, self.model, self.tokenizer, self.optimizer, self.completed, self.config,
+            path, self.replica if sharded else self.model, self.tokenizer,
+            None if sharded else self.optimizer, self.completed, self.config,
             {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
              "output_dir": str(self.out), "world_size": world_size()},
         )
@@ -670,8 +716,14 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     if resume_from is None:
         run_on_main(_prepare_new_run_dir, out, overwrite)
     hook = phase_hook or (lambda phase, step: None)
+    replica = None
+    if config.fsdp:  # shard before the optimizer exists: AdamW then holds shards only
+        replica = make_replica(model, torch.bfloat16 if torch.device(device).type == "cuda"
+                               else None)
+        shard_model(model, mixed_precision(device))
+    policy = model if replica is None else replica  # what samples and evaluates
     if config.supervision == "process" and advantage_fn is None:
-        advantage_fn = _process_advantage_fn(model, tokenizer, device, config)
+        advantage_fn = _process_advantage_fn(policy, tokenizer, device, config)
     t_start = time.time()
     if reward_fn is None:
         reward_fn = build_reward(tokenizer, config.format_reward_weight,
@@ -685,7 +737,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     random.seed(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
                                   weight_decay=config.weight_decay)
-    run = _Run(out, model, tokenizer, optimizer, config)
+    run = _Run(out, model, tokenizer, optimizer, config, replica)
     run.base = run.last_eval = base_evaluation
     if resume_from is not None:  # load first: a failed load writes nothing
         state = load_checkpoint(resume_from, model, optimizer)
@@ -693,11 +745,13 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
         run.base = state.get("base") or base_evaluation
         run.last_eval = state.get("last_eval") or run.base
         run.saved = (None, run.completed, run.eval_pending)
+        if replica is not None:
+            refresh_replica(replica, model)
     run.open_logs(columns, resumed=resume_from is not None)
-    ref_model = _reference_model(model, tokenizer, out, config, resumed=resume_from is not None)
+    ref_model = _reference_model(policy, tokenizer, out, config, resumed=resume_from is not None)
 
     def evaluate_now():
-        return evaluate_policy(model, tokenizer, eval_set, device, config.eval_tokens,
+        return evaluate_policy(policy, tokenizer, eval_set, device, config.eval_tokens,
                                config.eval_batch_size, prompt_fn)
 
     bar = tqdm(total=config.steps, initial=run.completed, desc="grpo",
@@ -721,13 +775,13 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                 # Stages 1-3: rollouts, rewards, advantages (grpo.collect_rollouts)
                 _stop_if_interrupted(interrupted)
                 hook("rollouts", step + 1)
-                batch, cost = _rollouts(model, tokenizer, train_examples, device, config,
+                batch, cost = _rollouts(policy, tokenizer, train_examples, device, config,
                                         reward_fn, advantage_fn, prompt_fn, step)
                 _stop_if_interrupted(interrupted)
                 with defer_interrupts():  # the update, its row and its samples: all or nothing
                     # Stages 4-5: log-probs and the update (grpo.grpo_loss_on_batch)
                     row = _apply_update(model, optimizer, batch, config, ref_model,
-                                        reward_names, step, cost, hook)
+                                        reward_names, step, cost, hook, replica)
                     # Stage 6: log
                     _log_step(run, row, batch.samples)
                 _show_step(bar, run, row)
@@ -761,7 +815,8 @@ def _finish(run, evaluate_now, interrupted, hook, eval_examples, t_start):
     final = evaluate_now()
     _stop_if_interrupted(interrupted)
     if world_size() > 1:  # the replicas must have made identical updates
-        check_same_on_all_ranks(params_checksum(run.model.parameters()), "model weights")
+        weights = run.model if run.replica is None else run.replica
+        check_same_on_all_ranks(params_checksum(weights.parameters()), "model weights")
     with defer_interrupts():
         hook("final_save", run.completed)
         run.last_eval = final
@@ -778,6 +833,7 @@ def _save_interrupted(run, stop):
     process)."""
     with defer_interrupts():
         path = run.checkpoint()
+        run_on_main(_mark_stopped, run.out, exit_status(stop))
     run.tracker.close()  # after the checkpoint: closing may take a moment
     if run.main:  # printed even without progress output
         tqdm.write(f"{stop_reason(stop)}: {path} holds {run.completed} update(s); continue "
@@ -813,6 +869,18 @@ def _show_step(bar, run, row):
     bar.set_postfix(reward=f"{row['reward_mean']:.2f}", correct=f"{row.get('correct_mean', 0):.2f}",
                     acc=f"{run.last_eval['accuracy']:.2f}")
     _print(run.config, _row_line(row))
+
+
+def _mark_stopped(out, status):
+    """`out`/stopped holding the exit status of a stopped run (rank 0; see STOPPED_FILE)."""
+    (out / STOPPED_FILE).write_text(f"{status}\n")
+
+
+def _fresh_dir(path):
+    """An empty directory at `path` (rank 0), for the shards of a checkpoint being written."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
 
 
 def _prepare_new_run_dir(out, overwrite):
@@ -870,6 +938,9 @@ def _summary(run, final, eval_examples, wall_seconds):
         "steps": run.config.steps, "wall_seconds": wall_seconds,
         "eval_examples": eval_examples, "output_dir": str(run.out),
         "world_size": world_size(),
+        # FSDP: what each process holds of the weights and the AdamW state (`fsdp.shard_sizes`)
+        **({"shards": all_gather_objects(shard_sizes(run.model, run.optimizer))}
+           if run.replica is not None else {}),
     }
 
 
@@ -977,8 +1048,11 @@ def extra_prompts(examples, step, round_, config):
     return [examples[int(i)] for i in idx]
 
 
-def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step, cost, hook):
-    """`inner_epochs` updates on a step's batch; returns the step's metrics row."""
+def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step, cost, hook,
+                  replica=None):
+    """`inner_epochs` updates on a step's batch; returns the step's metrics row. FSDP runs
+    (`replica`: the unsharded copy that sampled) take the no-grad log-probs from the replica
+    and refresh it after the update."""
     hook("update", step + 1)
     t1 = time.time()
     lr = lr_at_step(step, config)
@@ -993,12 +1067,15 @@ def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step
             if ref_model is not None:
                 ref_logp = _logprobs_no_grad(ref_model, batch, config)
             if config.inner_epochs > 1:  # the sampling policy's log-probs, computed once
-                old_logp = _logprobs_no_grad(model, batch, config)
+                old_logp = _logprobs_no_grad(model if replica is None else replica, batch,
+                                             config)
         # Stage 5: the update(s): loss, backward, clip, AdamW step
         model.train()
         epochs = [_update(model, optimizer, batch, old_logp, ref_logp, config, totals)
                   for _ in range(config.inner_epochs)]
         model.eval()
+        if replica is not None:
+            refresh_replica(replica, model)  # the next rollouts sample from the new weights
         for k in epochs[0]:
             vals = [e[k] for e in epochs if e.get(k) is not None]
             if not vals:

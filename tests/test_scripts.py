@@ -370,3 +370,13 @@ def test_gpu_check_step_on_a_tiny_model(monkeypatch):
     assert r["rows"] == 8 and r["tokens"] == 8 * 5 and r["step_s"] >= r["rollout_s"] > 0
     assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
     assert not torch.equal(model.lm_head.weight, before)  # the AdamW step changed the weights
+
+
+def test_bench_fsdp_tiny_run():
+    main = _script_main("benchmarks/bench_fsdp.py", "bench_fsdp")
+    out = main(["--steps", "1", "--repeats", "1", "--prompts-per-step", "2", "--num-rollouts",
+                "2", "--max-new-tokens", "8", "--eval-examples", "1"])
+    for mode in ("data-parallel", "fsdp"):
+        (run,) = out["runs"][mode]
+        assert run["step_s"] > 0 and run["tokens_per_s"] > 0
+    assert out["max_weight_diff"] < 1e-5  # the same run either way

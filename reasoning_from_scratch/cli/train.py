@@ -47,6 +47,7 @@ from ..distributed import (
     world_size,
 )
 from ..files import atomic_write_json, read_json
+from ..fsdp import init_group_of_one, is_sharded_checkpoint
 from ..interrupts import exit_status
 from ..tracking import REPORT_CHOICES, missing_backend, report_targets
 from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
@@ -219,6 +220,10 @@ def resolve_run(parser, args, argv, run_prefix):
         if data["dataset"] != "arith" and "train_level_weights" not in explicit:
             data["train_level_weights"] = None  # the level mix is the arithmetic world's default
         config = GRPOConfig.from_dict(values)
+        if ckpt and is_sharded_checkpoint(ckpt) != config.fsdp:  # the two kinds do not mix
+            kind = "with" if is_sharded_checkpoint(ckpt) else "without"
+            raise ValueError(f"{ckpt} was written by a run {kind} --fsdp; resume it {kind} "
+                             "--fsdp")
         check_report_backends(parser, config.report_to)
         check_report_backends(parser, config.report_to)
         if env_world_size() > config.prompts_per_step:
@@ -261,6 +266,8 @@ def run_training(run: TrainRun):
     set_threads(run.threads)
     try:
         device = init_distributed(get_device(run.device))  # a no-op without torchrun
+        if run.config.fsdp:  # sharding needs a process group, even one of one process
+            init_group_of_one()
     except ValueError as err:  # e.g. torchrun on an MPS device: argparse's message and status
         print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

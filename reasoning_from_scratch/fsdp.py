@@ -1,0 +1,257 @@
+"""Sharded data parallelism (PyTorch's FSDP2, `fully_shard`) for the GRPO loop: each of N
+processes keeps 1/N of the trainable weights, their gradients and their AdamW state, so a model
+whose optimizer state does not fit one GPU still trains (`--fsdp` under torchrun).
+
+How the loop (training.py) uses it, one helper per concern:
+- `shard_model`: `fully_shard` on every decoder block, then on the root (embedding, final norm,
+  lm_head), and `forward_hidden` registered as a forward method, so the log-prob pass
+  (`grpo.token_logprobs_and_entropy`) all-gathers the weights as `forward` does. Gradients are
+  reduce-scattered as sums (divide factor 1): the loop scales each loss by the whole step's
+  normalisers, so the sum over processes is the one-process gradient, where FSDP's default
+  average would divide it by N once more.
+- `make_replica` / `refresh_replica`: a plain, unsharded copy of the policy for sampling and
+  evaluation. Decoding calls the model a different number of times on each process (each stops
+  when its own rows finish); a sharded model all-gathers inside every forward, so the processes
+  would wait for each other forever. The replica is refreshed (one all-gather per tensor, the
+  same calls on every process) once after every update, and every process then decodes on its
+  own. It costs one full copy of the weights in the compute dtype: the memory of `unshard()`
+  for the rollout phase, kept through the update.
+- `dummy_backward`: a zero-weighted forward/backward through every sharded block. The update
+  runs the same number of micro-batches on every process (FSDP's collectives must pair up); a
+  process with fewer rows (or none) makes up the difference with these, which add nothing.
+- `save_sharded` / `load_sharded`: model and AdamW shards through `torch.distributed.checkpoint`
+  (DCP), which re-shards on load, so a run resumes with any number of processes.
+- `full_state`: the whole weights, gathered on every process. final/ and every checkpoint get
+  their Hugging Face weights from the replica, which holds exactly these after each update.
+- `memory_per_process`: the bytes a process holds for a Qwen3 config (the table in
+  docs/data_parallel.md); `local_numel` / `optimizer_state_bytes` measure the shards.
+
+FSDP2 is described in the PyTorch docs ("torch.distributed.fsdp.fully_shard"); the sharding of
+weights, gradients and optimizer state is ZeRO stage 3 (Rajbhandari et al., arXiv:1910.02054).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.tensor import DTensor
+
+from .qwen3 import QWEN3_0_6B_CONFIG, Qwen3Config
+
+# The sharded model and optimizer of a checkpoint (a DCP directory: one file per process plus
+# .metadata); the rest of the checkpoint is checkpoints.py's (trainer_state.json, HF weights).
+SHARDED_DIR = "sharded"
+
+# Published Qwen3 dense configs (Hugging Face Qwen/Qwen3-*/config.json): the memory table's rows.
+QWEN3_SIZES = {
+    "Qwen3-0.6B": QWEN3_0_6B_CONFIG,
+    "Qwen3-1.7B": Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8),
+    "Qwen3-4B": Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8),
+    "Qwen3-8B": Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8,
+                            tie_word_embeddings=False),
+}
+
+
+def mixed_precision(device) -> MixedPrecisionPolicy | None:
+    """bf16 compute with fp32 gradient reduction on CUDA; None (all fp32, exact) on the CPU."""
+    if torch.device(device).type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def shard_model(model, mp_policy: MixedPrecisionPolicy | None = None):
+    """`fully_shard` each decoder block, then the root, in place; gradients reduced as sums.
+    Returns the model (now an FSDPModule whose parameters are DTensor shards)."""
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for block in model.model.layers:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    register_fsdp_forward_method(model, "forward_hidden")  # the log-prob pass calls it
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sum over processes, not the mean
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (Gloo has no PREMUL)
+            # a parameter one process did not use this time (an untied lm_head after a
+            # micro-batch without answer tokens) contributes zeros, not a missing collective
+            module.set_reduce_scatter_unused_params(True, recurse=False)
+    return model
+
+
+def is_sharded(model) -> bool:
+    """Whether `model` went through `shard_model`."""
+    return isinstance(model, FSDPModule)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor; a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective: every process must call it); a plain
+    tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def make_replica(model, dtype: torch.dtype | None = None):
+    """A frozen, unsharded copy of `model` (before `shard_model`) for sampling, evaluation and
+    no-grad log-probs; `dtype`: its compute dtype (bf16 on CUDA)."""
+    replica = copy.deepcopy(model).eval()
+    replica.requires_grad_(False)
+    return replica if dtype is None else replica.to(dtype)
+
+
+@torch.no_grad()
+def refresh_replica(replica, model) -> None:
+    """Copy the sharded model's current weights into `replica` (every process, same order)."""
+    target = dict(replica.named_parameters())
+    for name, p in model.named_parameters():
+        target[name].copy_(full_tensor(p.detach()))
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    """{name: whole tensor on the CPU} of a sharded model, on every process (a collective)."""
+    return {k: full_tensor(v.detach()).cpu() for k, v in model.state_dict().items()}
+
+
+def dummy_backward(model) -> None:
+    """A forward and backward pass through every sharded module whose gradient is zero: what a
+    process without a micro-batch runs so the others' collectives find a partner."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=local_tensor(
+        model.model.embed_tokens.weight).device)
+    (model.lm_head(model.forward_hidden(ids)).sum() * 0.0).backward()
+
+
+def local_numel(params) -> int:
+    """Elements of `params` held by this process (its shards of DTensors)."""
+    return sum(local_tensor(p).numel() for p in params)
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of this process's optimizer state tensors (AdamW: exp_avg, exp_avg_sq, step)."""
+    return sum(local_tensor(v).numel() * v.element_size()
+               for state in optimizer.state.values() for v in state.values()
+               if torch.is_tensor(v))
+
+
+def shard_sizes(model, optimizer) -> dict[str, int]:
+    """This process's share: parameter elements and AdamW state bytes (summary.json)."""
+    return {"param_elements": local_numel(model.parameters()),
+            "adamw_bytes": optimizer_state_bytes(optimizer)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded checkpoints (torch.distributed.checkpoint)
+# ----------------------------------------------------------------------------------------------
+
+def save_sharded(path, model, optimizer) -> None:
+    """Write every process's model and AdamW shards under `path`/sharded (a collective)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd},
+             checkpoint_id=str(Path(path) / SHARDED_DIR))
+
+
+def load_sharded(path, model, optimizer) -> None:
+    """Load `save_sharded`'s model and AdamW state into a sharded model, whatever the number of
+    processes that wrote it (DCP re-shards)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # initialises the AdamW state
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(Path(path) / SHARDED_DIR))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+def is_sharded_checkpoint(path) -> bool:
+    """Whether checkpoint dir `path` holds sharded (DCP) model and optimizer state."""
+    return (Path(path) / SHARDED_DIR / ".metadata").is_file()
+
+
+def init_group_of_one() -> None:
+    """A process group of one (Gloo, in-memory store), for `--fsdp` started without torchrun."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The memory table
+# ----------------------------------------------------------------------------------------------
+
+def count_parameters(cfg: Qwen3Config) -> int:
+    """Trainable parameters of a Qwen3 dense model (lm_head counted once when tied)."""
+    H, hd = cfg.hidden_size, cfg.head_dim
+    attn = H * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 2 * hd
+    block = attn + 3 * H * cfg.intermediate_size + 2 * H
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * H
+    return cfg.vocab_size * H + cfg.num_hidden_layers * block + H + head
+
+
+def kv_cache_bytes(cfg: Qwen3Config, rows: int, tokens: int, dtype_bytes: int = 2) -> int:
+    """Keys and values of `rows` sequences of `tokens` positions, every layer."""
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+    return rows * tokens * per_token * dtype_bytes
+
+
+def memory_per_process(cfg: Qwen3Config, world_size: int, sharded: bool, *,
+                       master_bytes: int = 4, compute_bytes: int = 2, reference: bool = True,
+                       rollout_rows: int = 128, rollout_tokens: int = 1024) -> dict[str, int]:
+    """Bytes one of `world_size` processes holds in a GRPO run, before activations.
+
+    policy: fp32 master weights (`master_bytes` per parameter); grads the same; adamw: two fp32
+    moments. DDP (`sharded` False) holds all of them whole, FSDP 1/N of each, plus its rollout
+    replica (`make_replica`, `compute_bytes` per parameter). reference: the frozen KL model, a
+    whole copy in the compute dtype on every process either way (beta > 0 only). kv_cache: this
+    process's share of a rollout batch of `rollout_rows` sequences of `rollout_tokens`.
+    """
+    n = count_parameters(cfg)
+    share = world_size if sharded else 1
+    out = {
+        "policy": master_bytes * n // share,
+        "grads": master_bytes * n // share,
+        "adamw": 8 * n // share,
+        "rollout_copy": compute_bytes * n if sharded else 0,
+        "reference": compute_bytes * n if reference else 0,
+        "kv_cache": kv_cache_bytes(cfg, -(-rollout_rows // world_size), rollout_tokens,
+                                   compute_bytes),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+GB = 1e9
+
+
+def memory_table(world_sizes=(1, 2, 4, 8, 16), gpu_gb: float = 80.0, headroom_gb: float = 8.0,
+                 **kwargs) -> str:
+    """docs/data_parallel.md's table (markdown): GB per process, DDP vs FSDP, each Qwen3 size
+    and process count; `*` marks what fits a `gpu_gb` GPU with `headroom_gb` left for the
+    activations of the log-prob pass and the allocator (`memory_per_process` counts none)."""
+    lines = ["| model | params | N | DDP GB/process | FSDP GB/process "
+             "(policy+grads+AdamW / replica+ref / KV) |",
+             "|---|---|---|---|---|"]
+    for name, cfg in QWEN3_SIZES.items():
+        for n in world_sizes:
+            ddp = memory_per_process(cfg, n, False, **kwargs)
+            fsdp = memory_per_process(cfg, n, True, **kwargs)
+            def cell(m):
+                fits = m["total"] / GB <= gpu_gb - headroom_gb
+                return f"{m['total'] / GB:.1f}{' *' if fits else ''}"
+            parts = (f"{(fsdp['policy'] + fsdp['grads'] + fsdp['adamw']) / GB:.1f} / "
+                     f"{(fsdp['rollout_copy'] + fsdp['reference']) / GB:.1f} / "
+                     f"{fsdp['kv_cache'] / GB:.1f}")
+            lines.append(f"| {name} | {count_parameters(cfg) / 1e9:.2f} B | {n} | {cell(ddp)} | "
+                         f"{cell(fsdp)} ({parts}) |")
+    return "\n".join(lines)

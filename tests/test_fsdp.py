@@ -1,0 +1,275 @@
+"""Sharded GRPO (`--fsdp`, fsdp.py): two Gloo processes make the one-process run while each
+holds half of the weights and AdamW state, a process without rows keeps pace with one that has
+them all, SIGTERM leaves a sharded checkpoint that one or two processes resume exactly, final/
+is the gathered model (for load_pretrained and transformers), and the memory table's
+arithmetic."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from test_distributed import REWARD_COLUMNS, _ch07_main, _max_diff, _rows, _torchrun, _weights
+
+from reasoning_from_scratch import training
+from reasoning_from_scratch.datasets import load_dataset_by_name
+from reasoning_from_scratch.fsdp import (
+    QWEN3_SIZES,
+    SHARDED_DIR,
+    count_parameters,
+    kv_cache_bytes,
+    memory_per_process,
+    memory_table,
+)
+from reasoning_from_scratch.grpo import collect_rollouts
+from reasoning_from_scratch.qwen3 import Qwen3Model
+from reasoning_from_scratch.rewards import build_reward
+from reasoning_from_scratch.run_log import read_metrics
+from reasoning_from_scratch.weights import load_pretrained
+
+# test_distributed's recipe, shorter: DAPO's token mean, batch-std advantages, dynamic
+# sampling (uneven shares: the processes run different numbers of micro-batches), two inner
+# epochs (old log-probs from the replica) and a KL reference.
+FLAGS = ["--steps", "3", "--prompts-per-step", "4", "--num-rollouts", "4",
+         "--max-new-tokens", "40", "--eval-examples", "2", "--eval-every", "2",
+         "--eval-batch-size", "2", "--train-examples", "64", "--train-level-weights",
+         "1,1,0,0,0", "--sample-every", "1", "--lr", "1e-3", "--warmup-steps", "0",
+         "--loss-type", "dapo", "--scale-rewards", "batch", "--dynamic-sampling",
+         "--micro-batch-size", "3", "--inner-epochs", "2", "--beta", "0.04",
+         "--threads", "1", "--device", "cpu", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same 3 steps sharded over two processes and by one plain process."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    two, one = tmp / "two", tmp / "one"
+    proc, writes = _torchrun(tmp, two, ["--output-dir", str(two), *FLAGS, "--fsdp"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    threads = torch.get_num_threads()
+    try:
+        _ch07_main()(["--output-dir", str(one), *FLAGS])
+    finally:
+        torch.set_num_threads(threads)
+    return {"tmp": tmp, "two": two, "one": one, "writes": writes}
+
+
+def test_two_sharded_processes_make_the_one_process_run(runs):
+    two, one = runs["two"], runs["one"]
+    rows1, rows2 = read_metrics(one / "metrics.csv"), read_metrics(two / "metrics.csv")
+    assert [r["step"] for r in rows2] == [1.0, 2.0, 3.0]
+    assert [{c: r[c] for c in REWARD_COLUMNS} for r in rows2] == \
+        [{c: r[c] for c in REWARD_COLUMNS} for r in rows1]
+    assert any(r["sampling_rounds"] > 1 for r in rows2)  # uneven shares happened
+    assert (two / "samples.jsonl").read_text() == (one / "samples.jsonl").read_text()
+    w2, w1 = _weights(two), _weights(one)
+    base = load_pretrained("tiny-arith", device="cpu")[0].state_dict()
+    assert _max_diff(w1, base) > 1e-3  # training moved the weights far beyond the tolerance
+    assert _max_diff(w2, w1) < 1e-5  # ... and the sharded run moved them alike
+    assert runs["writes"][1] == [] or all("sharded" in line for line in runs["writes"][1])
+
+
+def test_each_process_holds_half_of_the_weights_and_the_adamw_state(runs):
+    summary = json.loads((runs["two"] / "summary.json").read_text())
+    model = load_pretrained("tiny-arith", device="cpu")[0]
+    total = sum(p.numel() for p in model.parameters())
+    shards = summary["shards"]
+    assert len(shards) == 2
+    assert sum(s["param_elements"] for s in shards) == total  # no element held twice
+    predicted = memory_per_process(model.cfg, 2, True, reference=False)
+    for s in shards:  # measured from each process's local shards
+        assert abs(s["param_elements"] / total - 0.5) < 0.05
+        assert abs(4 * s["param_elements"] - predicted["policy"]) / predicted["policy"] < 0.05
+        assert abs(s["adamw_bytes"] - predicted["adamw"]) / predicted["adamw"] < 0.05
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP read in one process
+def test_final_is_the_gathered_model_in_hugging_face_layout(runs):
+    final = runs["two"] / "final"
+    loaded = load_pretrained(final, device="cpu")[0]  # what load_pretrained sees
+    gathered = load_pretrained("tiny-arith", device="cpu")[0]
+    state = {"model": gathered.state_dict()}
+    dcp.load(state, checkpoint_id=str(final / SHARDED_DIR))  # the shards, re-assembled
+    gathered.load_state_dict(state["model"])
+    ids = torch.randint(0, loaded.cfg.vocab_size, (2, 9),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), gathered(ids))
+    assert (final / SHARDED_DIR / "__0_0.distcp").is_file()
+    assert (final / SHARDED_DIR / "__1_0.distcp").is_file()
+
+
+def test_transformers_loads_final(runs):
+    transformers = pytest.importorskip("transformers")
+    final = runs["two"] / "final"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(final).eval()  # float32, as saved
+    ours = load_pretrained(final, device="cpu")[0]
+    ids = torch.randint(0, ours.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(hf(ids).logits, ours(ids), atol=1e-4)
+
+
+# One update of the bundled model on a fixed batch of 8 rollouts in micro-batches of 3: rank 0
+# holds every row (3 passes), rank 1 none (3 zero-weighted passes); rank 0 saves the weights.
+UNEVEN_WORKER = r"""
+import sys
+from dataclasses import replace
+import torch, torch.distributed as dist
+from safetensors.torch import save_file
+from reasoning_from_scratch import fsdp, training
+sys.path.insert(0, sys.argv[2])
+from test_fsdp import fixed_batch
+dist.init_process_group("gloo")
+model, batch, config = fixed_batch()
+fsdp.shard_model(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+mine = batch if dist.get_rank() == 0 else batch.rows(torch.zeros(batch.size, dtype=torch.bool))
+stats = training._update(model, optimizer, mine, None, None, config)
+state = fsdp.full_state(model)
+if dist.get_rank() == 0:
+    save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[1])
+    print("grad_norm", stats["grad_norm"])
+dist.destroy_process_group()
+"""
+
+
+def fixed_batch():
+    """(model, batch, config): 8 rollouts of two prompts with set advantages (both processes
+    and the one-process reference build the same)."""
+    model, tok = load_pretrained("tiny-arith", device="cpu")
+    examples = load_dataset_by_name("arith", "train", n=2)
+    batch = collect_rollouts(model, tok, examples, "cpu", build_reward(tok), num_rollouts=4,
+                             max_new_tokens=12, temperature=1.0, top_p=1.0,
+                             generator=training.rollout_generators("cpu", 0, 0, range(2)))
+    batch = replace(batch, advantages=torch.linspace(-1.0, 1.0, batch.size))
+    config = training.GRPOConfig(micro_batch_size=3, lr=1e-3, progress=False)
+    return model, batch, config
+
+
+def test_a_process_without_rows_keeps_the_others_company(tmp_path):
+    """Uneven micro-batch counts (8 rows against none) meet in every collective, and the
+    update is the one-process update on the whole batch."""
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN_WORKER)
+    out = tmp_path / "weights.safetensors"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(script), str(out),
+                          str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    model, batch, config = fixed_batch()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    stats = training._update(model, optimizer, batch, None, None, config)
+    assert stats["skipped"] == 0 and stats["grad_norm"] > 0
+    assert f"grad_norm {stats['grad_norm']}"[:16] in res.stdout
+    sharded = load_file(out)
+    assert max((sharded[k] - v).abs().max().item() for k, v in model.state_dict().items()) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def stopped(runs):
+    """The sharded run stopped by SIGTERM at step 2's rollouts (torchrun exits 1)."""
+    out = runs["tmp"] / "sigterm"
+    proc, _ = _torchrun(runs["tmp"], out, ["--output-dir", str(out), *FLAGS, "--fsdp"],
+                        sigterm_at="1,rollouts,2")
+    assert proc.returncode != 0  # torchrun's own status: 1, not the workers' 75
+    assert f"stopped by SIGTERM: {out / 'checkpoint-1'} holds 1 update(s)" in proc.stdout, \
+        proc.stderr[-3000:]
+    return out
+
+
+def test_sigterm_leaves_a_sharded_checkpoint_and_the_exit_status(stopped):
+    assert (stopped / "stopped").read_text() == "75\n"  # what a batch script requeues on
+    ckpt = stopped / "checkpoint-1"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 1
+    assert (ckpt / SHARDED_DIR / ".metadata").is_file()
+    assert (ckpt / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("processes", [2, 1])
+def test_a_sharded_checkpoint_resumes_exactly_with_one_or_two_processes(
+        runs, stopped, processes):
+    out = runs["tmp"] / f"resumed-{processes}"
+    shutil.copytree(stopped, out)
+    proc, _ = _torchrun(runs["tmp"], out, ["--resume", str(out), "--no-progress",
+                                           "--threads", "1"], processes=processes)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (out / "stopped").exists()
+    w, w_straight = _weights(out), _weights(runs["two"])
+    rows, rows_straight = _rows(out), _rows(runs["two"])
+    if processes == 2:  # the same processes doing the same sums: bit for bit
+        assert all(torch.equal(w[k], w_straight[k]) for k in w)
+        assert rows == rows_straight
+    else:  # re-sharded onto one process
+        assert _max_diff(w, w_straight) < 1e-5
+        assert [{c: r[c] for c in REWARD_COLUMNS} for r in rows] == \
+            [{c: r[c] for c in REWARD_COLUMNS} for r in rows_straight]
+
+
+def test_ctrl_c_on_one_rank_inside_the_update_stops_both_after_it(runs):
+    """Ctrl-C reaches rank 1 as step 2's update starts: the update (collectives included)
+    finishes on both, both save their shards, and a plain `python` resume (a group of one)
+    continues to the uninterrupted run's weights."""
+    out = runs["tmp"] / "ctrl-c"
+    proc, _ = _torchrun(runs["tmp"], out, ["--output-dir", str(out), *FLAGS, "--fsdp"],
+                        interrupt_at="1,update,2")
+    assert proc.returncode != 0
+    assert f"interrupted: {out / 'checkpoint-2'} holds 2 update(s)" in proc.stdout, \
+        proc.stderr[-3000:]
+    assert (out / "stopped").read_text() == "130\n"
+    threads = torch.get_num_threads()
+    try:
+        _ch07_main()(["--resume", str(out), "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)
+    assert _max_diff(_weights(out), _weights(runs["two"])) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# The memory table
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(QWEN3_SIZES))
+def test_parameter_count_is_the_models(name):
+    cfg = QWEN3_SIZES[name]
+    with torch.device("meta"):  # the shapes, without the memory
+        model = Qwen3Model(cfg)
+    assert count_parameters(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_fsdp_divides_what_ddp_replicates():
+    cfg = QWEN3_SIZES["Qwen3-8B"]
+    n = count_parameters(cfg)
+    ddp, fsdp = memory_per_process(cfg, 8, False), memory_per_process(cfg, 8, True)
+    assert ddp["policy"] + ddp["grads"] + ddp["adamw"] == 16 * n
+    assert fsdp["policy"] + fsdp["grads"] + fsdp["adamw"] == 16 * n // 8
+    assert fsdp["rollout_copy"] == fsdp["reference"] == 2 * n
+    assert ddp["kv_cache"] == fsdp["kv_cache"] == kv_cache_bytes(cfg, 16, 1024)
+    assert ddp["total"] > 80e9 > fsdp["total"]  # 8B trains on 8 x 80 GB only sharded
+    assert memory_per_process(cfg, 1, False)["total"] / 1e9 == pytest.approx(166.8, abs=0.1)
+    table = memory_table()
+    assert table.count("\n") == 2 + 4 * 5 - 1  # header, rule, 4 sizes x 5 process counts
+    assert "| Qwen3-8B | 8.19 B | 8 | 149.8 | 51.6 * (16.4 / 32.8 / 2.4) |" in table
+
+
+def test_process_supervision_scores_with_the_unsharded_replica(tmp_path):
+    """The Monte-Carlo step scorer samples continuations with the policy: the replica, which
+    each process decodes on alone."""
+    out = tmp_path / "run"
+    flags = ["--steps", "2", "--prompts-per-step", "2", "--num-rollouts", "4",
+             "--max-new-tokens", "32", "--eval-examples", "2", "--eval-every", "0",
+             "--train-examples", "32", "--supervision", "process", "--step-scorer", "mc-branch",
+             "--process-variant", "value-delta", "--mc-rollouts", "2", "--threads", "1",
+             "--device", "cpu", "--no-progress", "--fsdp"]
+    proc, _ = _torchrun(tmp_path, out, ["--output-dir", str(out), *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out / "metrics.csv")] == [1.0, 2.0]
+    assert len(json.loads((out / "summary.json").read_text())["shards"]) == 2
