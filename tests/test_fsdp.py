@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
+from test_distributed import FLAGS as DP_FLAGS
 from test_distributed import REWARD_COLUMNS, _ch07_main, _max_diff, _rows, _torchrun, _weights
 
 from reasoning_from_scratch import training
@@ -34,16 +35,11 @@ from reasoning_from_scratch.rewards import build_reward
 from reasoning_from_scratch.run_log import read_metrics
 from reasoning_from_scratch.weights import load_pretrained
 
-# test_distributed's recipe, shorter: DAPO's token mean, batch-std advantages, dynamic
-# sampling (uneven shares: the processes run different numbers of micro-batches), two inner
-# epochs (old log-probs from the replica) and a KL reference.
-FLAGS = ["--steps", "3", "--prompts-per-step", "4", "--num-rollouts", "4",
-         "--max-new-tokens", "40", "--eval-examples", "2", "--eval-every", "2",
-         "--eval-batch-size", "2", "--train-examples", "64", "--train-level-weights",
-         "1,1,0,0,0", "--sample-every", "1", "--lr", "1e-3", "--warmup-steps", "0",
-         "--loss-type", "dapo", "--scale-rewards", "batch", "--dynamic-sampling",
-         "--micro-batch-size", "3", "--inner-epochs", "2", "--beta", "0.04",
-         "--threads", "1", "--device", "cpu", "--no-progress"]
+# test_distributed's recipe (DAPO's token mean, batch-std advantages, dynamic sampling: uneven
+# shares, so the processes run different numbers of micro-batches; two inner epochs, old
+# log-probs from the replica; a KL reference), with shorter answers and evaluation.
+SHORTER = {"--max-new-tokens": "40", "--eval-examples": "2"}
+FLAGS = [SHORTER.get(prev, flag) for prev, flag in zip([None, *DP_FLAGS], DP_FLAGS)]
 
 
 @pytest.fixture(scope="module")

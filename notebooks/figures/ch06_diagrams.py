@@ -57,27 +57,30 @@ def objectives_diagram(out_dir):
     _save(fig, out_dir / "ch06_objectives.png")
 
 
+def _chain(ax, y, boxes):
+    """Boxes (x, text, kind, width, height) in a row at height y, joined by arrows."""
+    drawn = [(_box(ax, x, y, text, kind, w=w, h=h), w) for x, text, kind, w, h in boxes]
+    for (a, wa), (b, wb) in zip(drawn, drawn[1:]):
+        _arrow(ax, (a[0] + wa / 2 + 0.05, a[1]), (b[0] - wb / 2 - 0.05, b[1]))
+
+
 def rlhf_rlvr_diagram(out_dir):
     """RLHF's learned reward model and RLVR's verifier."""
     fig, ax = _canvas(10.4, 3.4)
     _title(ax, 0.2, 4.0, "RLHF: a learned reward model")
-    pr = _box(ax, 1.2, 3.0, "prompts", "data", w=1.6)
-    pol = _box(ax, 3.6, 3.0, "policy samples\nanswers", "model", w=2.2)
-    rm = _box(ax, 6.7, 3.0, "reward model: a network\ntrained on human\npreference pairs",
-              "check", w=2.8, h=1.0)
-    up = _box(ax, 10.0, 3.0, "PPO update\n(a score in $\\mathbb{R}$)", "out", w=2.2)
-    for a, b, wa, wb in ((pr, pol, 0.8, 1.1), (pol, rm, 1.1, 1.4), (rm, up, 1.4, 1.1)):
-        _arrow(ax, (a[0] + wa + 0.05, a[1]), (b[0] - wb - 0.05, b[1]))
+    _chain(ax, 3.0, [(1.2, "prompts", "data", 1.6, 0.8),
+                     (3.6, "policy samples\nanswers", "model", 2.2, 0.8),
+                     (6.7, "reward model: a network\ntrained on human\npreference pairs",
+                      "check", 2.8, 1.0),
+                     (10.0, "PPO update\n(a score in $\\mathbb{R}$)", "out", 2.2, 0.8)])
     _note(ax, 6.7, 2.2, "can be fooled: the policy learns what the model likes (reward hacking)",
           RED)
     _title(ax, 0.2, 1.55, "RLVR: a verifier")
-    pr = _box(ax, 1.2, 0.6, "problems with\nreference answers", "data", w=2.0)
-    pol = _box(ax, 3.8, 0.6, "policy samples\nanswers", "model", w=2.2)
-    ver = _box(ax, 6.7, 0.6, "verifier: a program that\ngrades the final answer", "check",
-               w=2.8)
-    up = _box(ax, 10.0, 0.6, "PPO or GRPO update\n(reward 1 or 0)", "out", w=2.4)
-    for a, b, wa, wb in ((pr, pol, 1.0, 1.1), (pol, ver, 1.1, 1.4), (ver, up, 1.4, 1.2)):
-        _arrow(ax, (a[0] + wa + 0.05, a[1]), (b[0] - wb - 0.05, b[1]))
+    _chain(ax, 0.6, [(1.2, "problems with\nreference answers", "data", 2.0, 0.8),
+                     (3.8, "policy samples\nanswers", "model", 2.2, 0.8),
+                     (6.7, "verifier: a program that\ngrades the final answer", "check", 2.8,
+                      0.8),
+                     (10.0, "PPO or GRPO update\n(reward 1 or 0)", "out", 2.4, 0.8)])
     _note(ax, 6.7, -0.1, "Tulu 3 (arXiv 2411.15124), DeepSeek-R1 (arXiv 2501.12948): "
           "math with checkable answers, code with tests")
     _save(fig, out_dir / "ch06_rlhf_to_rlvr.png")
