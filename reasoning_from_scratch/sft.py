@@ -82,8 +82,8 @@ def batch_logits(model, prefix: torch.Tensor, inputs: torch.Tensor) -> torch.Ten
     gradients flow through the cache, so this equals running the full sequences, only cheaper.
     Padding is on the right, after every real token, so the causal mask alone suffices.
     """
-    if prefix.numel() == 0:
-        return model(inputs)
+    if prefix.numel() == 0:  # `forward` spelled out: a sharded model (fsdp.shard_model) runs
+        return model.lm_head(model.forward_hidden(inputs))  # forward_hidden as its forward
     cache = KVCache(model.cfg.num_hidden_layers)
     model(prefix[None], cache=cache)  # (1, P) fills the cache; its logits are not needed
     cache.expand(inputs.shape[0])

@@ -108,7 +108,7 @@ def one_process(tiny_dir, tmp_path_factory):
 def test_two_processes_make_the_one_process_run(one_process, tiny_dir, tmp_path, fsdp):
     out = tmp_path / "two"
     proc = _launch(tmp_path, tiny_dir, out, 2, fsdp=fsdp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-8000:]
     w1, w2 = _weights(one_process), _weights(out)
     base = load_pretrained(tiny_dir, device="cpu")[0].state_dict()
     assert _max_diff(w1, base) > 1e-3  # training moved the weights far beyond the tolerance
@@ -135,11 +135,13 @@ def test_sigterm_then_resume_with_another_process_count_equals_the_straight_run(
     # the last process gets SIGTERM as update 2 starts: every process stops after it
     proc = _launch(tmp_path, tiny_dir, out, stopped_with, fsdp=fsdp,
                    stop=[stopped_with - 1, "update", 2])
-    assert proc.returncode == EXIT_STOPPED, proc.stderr[-3000:]
+    # one process exits 75; torchrun reports its workers' 75 and fails itself
+    assert proc.returncode == EXIT_STOPPED if stopped_with == 1 else \
+        f"exitcode: {EXIT_STOPPED}" in proc.stderr, proc.stderr[-8000:]
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["step"] == 2 and (out / "stopped").is_file()
     proc = _launch(tmp_path, tiny_dir, out, resumed_with, fsdp=fsdp, resume=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-8000:]
     diff = _max_diff(_weights(out), _weights(one_process))
     print(f"fsdp={fsdp}: stopped with {stopped_with}, resumed with {resumed_with}: "
           f"max |w - w_straight| = {diff:.2e}")
