@@ -1,7 +1,8 @@
 """Data-parallel and sharded distillation (`torchrun ... ch09_distill.py [--fsdp]`): two Gloo
 processes make the one-process run's weights, with and without FSDP, including an update where
 one process has no rows; SIGTERM on one process leaves a checkpoint that a different number of
-processes resumes to the uninterrupted run; final/ is one HF model that load_pretrained reads."""
+processes resumes to the uninterrupted run; final/ is one HF model that load_pretrained reads;
+chapters/ch09_distill.py runs under torchrun with --fsdp."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import pytest
 import torch
 from test_distillation import HELD_OUT, TRACES
 
+from reasoning_from_scratch.distillation import read_traces, write_traces
 from reasoning_from_scratch.distillation_training import DistillConfig, train_distillation
 from reasoning_from_scratch.fsdp import SHARDED_DIR
 from reasoning_from_scratch.interrupts import EXIT_STOPPED
@@ -34,6 +36,7 @@ CONFIG = dict(steps=4, batch_size=5, lr=1e-2, warmup=1, val_fraction=0.25, eval_
 WORKER = r'''
 import json, os, signal, sys
 import torch
+from reasoning_from_scratch.distillation import read_traces, write_traces
 from reasoning_from_scratch.distillation_training import DistillConfig, train_distillation
 from reasoning_from_scratch.distributed import init_distributed, shutdown_distributed
 from reasoning_from_scratch.fsdp import init_group_of_one
@@ -149,3 +152,24 @@ def test_sigterm_then_resume_with_another_process_count_equals_the_straight_run(
     assert [r["step"] for r in read_metrics(out / "metrics.csv")] == [1, 2, 3, 4]
     assert _losses(out) == pytest.approx(_losses(one_process), abs=1e-5)
     assert not (out / "stopped").exists()
+
+
+def test_ch09_distill_script_under_torchrun_with_fsdp(tiny_dir, tmp_path):
+    traces = write_traces(TRACES, tmp_path / "traces.jsonl")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(ROOT / "chapters" / "ch09_distill.py"), "--teacher", str(tiny_dir),
+           "--student", str(tiny_dir), "--traces", str(traces), "--output-dir", str(out),
+           "--fsdp", "--steps", "2", "--batch-size", "3", "--eval-examples", "2",
+           "--eval-max-new-tokens", "4", "--eval-every", "0", "--val-fraction", "0",
+           "--no-progress", "--device", "cpu", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    assert proc.stdout.count("student_final_accuracy") == 1  # rank 0 alone prints
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["config"]["fsdp"] is True
+    assert read_traces(out / "traces.jsonl") == read_traces(traces)
+    assert load_pretrained(out / "final", device="cpu")[0] is not None
+    assert (out / "final" / SHARDED_DIR / ".metadata").is_file()
