@@ -11,6 +11,8 @@ Ctrl-C or a stop signal (SIGTERM, SIGHUP, SIGUSR1; interrupts.py) saves `checkpo
 the checkpoint policy does every `checkpoint_minutes` (checkpoints.py), and `resume_from`
 continues exactly: the batch schedule and the learning rate are functions of the step, so the
 resumed run's weights equal an uninterrupted run's.
+Under torchrun the run is data-parallel, replicated or sharded (`fsdp`), as the GRPO loop's
+(distributed.py, fsdp.py, docs/data_parallel.md).
 """
 
 from __future__ import annotations
