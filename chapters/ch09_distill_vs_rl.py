@@ -22,7 +22,6 @@ import torch
 
 from reasoning_from_scratch.cli.arguments import add_runtime_arguments, set_threads
 from reasoning_from_scratch.cli.distill import (
-    ONE_PROCESS_ONLY,
     add_teacher_arguments,
     chapter7_teacher,
 )
@@ -87,6 +86,11 @@ def build_parser():
                    help="where to save the figure (None: <output-dir>/distill_vs_rl.png)")
     add_runtime_arguments(p)
     return p
+
+
+# Why this comparison runs in one process (refuse_multiple_processes says it at start).
+ONE_PROCESS_ONLY = ("it trains several small runs (arms x seeds), one after another, into shared "
+                    "result files; chapters/ch09_distill.py itself runs under torchrun")
 
 
 def main(argv=None):

@@ -11,6 +11,8 @@ Ctrl-C or a stop signal (SIGTERM, SIGHUP, SIGUSR1; interrupts.py) saves `checkpo
 the checkpoint policy does every `checkpoint_minutes` (checkpoints.py), and `resume_from`
 continues exactly: the batch schedule and the learning rate are functions of the step, so the
 resumed run's weights equal an uninterrupted run's.
+Under torchrun the run is data-parallel, replicated or sharded (`fsdp`), as the GRPO loop's
+(distributed.py, fsdp.py, docs/data_parallel.md).
 """
 
 from __future__ import annotations
@@ -18,34 +20,54 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from .checkpoints import (
+    STOPPED_FILE,
     CheckpointPolicy,
-    check_new_run_dir,
-    clear_run_dir,
     load_checkpoint,
     prune_checkpoints,
     save_checkpoint,
 )
 from .distillation import traces_to_documents
+from .distributed import (
+    all_gather_objects,
+    any_rank,
+    barrier,
+    check_same_on_all_ranks,
+    is_main,
+    params_checksum,
+    run_on_main,
+    world_size,
+)
 from .evaluation import EVAL_FIGURES, evaluate_policy
 from .files import atomic_write_json
+from .fsdp import (
+    make_replica,
+    mixed_precision,
+    refresh_replica,
+    save_sharded,
+    shard_model,
+    shard_sizes,
+)
 from .interrupts import (
     DEFAULT_STOP_SIGNALS,
     defer_interrupts,
+    exit_status,
+    record_interrupts,
     stop_reason,
     stop_signal_names,
-    stops_on_signals,
 )
 from .plotting import plot_grpo_metrics
 from .prompts import render_prompt
 from .run_log import EVAL_COLUMNS, MetricsLog, eval_cells
 from .sft import make_sft_optimizer, mean_completion_loss, train_sft
-from .tracking import open_tracker, report_problem, report_targets
+from .tracking import RunTracker, open_tracker, report_problem, report_targets
+from .training import fresh_dir, mark_stopped, prepare_new_run_dir, stop_if_interrupted
 from .validation import at_least, check_fields, in_range, non_negative, option, positive
 
 DISTILL_COLUMNS = ["step", "loss", "lr", "tokens", "step_s", "train_s", "val_loss",
@@ -105,6 +127,10 @@ class DistillConfig:
     output_dir: str = option(
         "runs/distill", "run directory (traces, metrics, checkpoints, summary; None: "
         "runs/ch09-<time>)")
+    fsdp: bool = option(
+        False, "shard the student's weights, gradients and AdamW state over the torchrun "
+        "processes (FSDP2, fsdp.py); evaluation runs on an unsharded replica; sharded "
+        "checkpoints")
     progress: bool = option(True, "show progress bars")
 
     def __post_init__(self):
@@ -135,32 +161,63 @@ def split_traces(records, val_fraction: float, seed: int) -> tuple[list[dict], l
 
 
 class _DistillRun:
-    """What a checkpoint of a distillation run holds besides weights and optimizer."""
+    """What a checkpoint of a distillation run holds besides weights and optimizer, and its
+    file writer: every process keeps the state, rank 0 alone writes (as training.py's `_Run`)."""
 
-    def __init__(self, out, model, tokenizer, optimizer, config):
+    def __init__(self, out, model, tokenizer, optimizer, config, replica=None):
         self.out, self.model, self.tokenizer = out, model, tokenizer
+        self.replica = replica  # FSDP: the unsharded copy, current after every update
         self.optimizer, self.config = optimizer, config
         self.completed, self.eval_pending, self.train_seconds = 0, False, 0.0
         self.base = self.last_eval = None
+        self.log = None  # rank 0's MetricsLog
+        self.tracker = RunTracker()  # rank 0's live reporting; the others: nothing
         self.tick = time.time()
         self.policy = CheckpointPolicy(config.checkpoint_every, config.checkpoint_minutes,
                                        config.keep_checkpoints)
 
+    def open_logs(self, resumed):
+        """Rank 0 opens metrics.csv (dropping rows after a resumed step), writes config.json
+        for a new run and opens the trackers; an error there stops every process."""
+        run_on_main(self._open_logs, resumed)
+
+    def _open_logs(self, resumed):
+        """`open_logs` on rank 0."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / STOPPED_FILE).unlink(missing_ok=True)  # running again
+        self.log = MetricsLog(self.out / "metrics.csv", DISTILL_COLUMNS,
+                              keep_upto=self.completed if resumed else None)
+        if not resumed:
+            atomic_write_json(self.out / "config.json",
+                              {**asdict(self.config), "world_size": world_size()})
+        self.tracker = open_tracker(self.config.report_to, self.out, asdict(self.config),
+                                    resume_step=self.completed if resumed else None)
+
     def checkpoint(self, name=None):
         """Save `checkpoint-<completed>` (or `name`) with the run's bookkeeping; prune the old
-        ones (`CheckpointPolicy`)."""
-        path = save_checkpoint(
-            self.out / (name or f"checkpoint-{self.completed}"), self.model, self.tokenizer,
-            self.optimizer, self.completed, self.config,
-            {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
-             "train_seconds": self.train_seconds, "output_dir": str(self.out)},
-        )
+        ones (`CheckpointPolicy`). FSDP: every process writes its shards first (DCP)."""
+        path = self.out / (name or f"checkpoint-{self.completed}")
+        if self.replica is not None:
+            tmp = run_on_main(fresh_dir, path.with_name(path.name + ".tmp"))
+            save_sharded(tmp, self.model, self.optimizer)
+            barrier()
+        run_on_main(self._save, path)
         self.policy.saved()
-        prune_checkpoints(self.out, self.policy.keep, self.completed)
         return path
 
+    def _save(self, path):
+        """`checkpoint` on rank 0: weights from the replica under FSDP (AdamW state in DCP)."""
+        sharded = self.replica is not None
+        save_checkpoint(
+            path, self.replica if sharded else self.model, self.tokenizer,
+            None if sharded else self.optimizer, self.completed, self.config,
+            {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
+             "train_seconds": self.train_seconds, "output_dir": str(self.out),
+             "world_size": world_size()},
+        )
+        prune_checkpoints(self.out, self.policy.keep, self.completed)
 
-@stops_on_signals
+
 def train_distillation(student, tokenizer, records, eval_examples, device, config: DistillConfig,
                        resume_from=None, overwrite=False, base_evaluation: dict | None = None,
                        prompt_fn=render_prompt,
@@ -173,12 +230,22 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
     checkpoint directory to continue exactly; a new run refuses a used output_dir unless
     `overwrite`. phase_hook(phase, step) as in `train_grpo` ("base_eval", "update", "eval",
     "checkpoint", "final_eval", "final_save").
+
+    Data-parallel (distributed.py, as `train_grpo`): every process of a torchrun group calls
+    this with the same arguments; each trains on its share of every batch (`sft.sft_step`) and
+    evaluates its share of the problems, so N processes give the one-process run (up to float
+    summation order). Rank 0 alone writes. Ctrl-C or a stop signal on any process stops them all
+    after the update in progress (and after an evaluation), with a checkpoint. config.fsdp
+    shards the student (fsdp.py); evaluation then runs on an unsharded replica refreshed after
+    every update, and checkpoints hold the shards beside the HF weights, so a run resumes with
+    any number of processes.
     """
+    world = world_size()
+    if not is_main():
+        config = replace(config, progress=False)  # rank 0 prints for everyone
     out = Path(config.output_dir)
     if resume_from is None:
-        if overwrite:
-            clear_run_dir(out)
-        check_new_run_dir(out)
+        run_on_main(prepare_new_run_dir, out, overwrite)
     hook = phase_hook or (lambda phase, step: None)
     train_recs, val_recs = split_traces(records, config.val_fraction, config.seed)
     if not train_recs:
@@ -186,17 +253,23 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
     train_docs = traces_to_documents(train_recs, prompt_fn)
     val_docs = traces_to_documents(val_recs, prompt_fn)
     eval_set = list(eval_examples)[:config.eval_examples]
+    replica = None
+    if config.fsdp:  # shard before the optimizer exists: AdamW then holds shards only
+        replica = make_replica(student, torch.bfloat16 if torch.device(device).type == "cuda"
+                               else None)
+        shard_model(student, mixed_precision(device))
+    policy = student if replica is None else replica  # what evaluates
 
     def evaluate_now():
-        figures = evaluate_policy(student, tokenizer, eval_set, device,
+        figures = evaluate_policy(policy, tokenizer, eval_set, device,
                                   config.eval_max_new_tokens, config.eval_batch_size, prompt_fn)
-        figures["val_loss"] = (mean_completion_loss(student, tokenizer, val_docs)
+        figures["val_loss"] = (mean_completion_loss(policy, tokenizer, val_docs)
                                if val_docs else None)
         return figures
 
     t_start = time.time()
     optimizer = make_sft_optimizer(student, config.lr, config.weight_decay)
-    run = _DistillRun(out, student, tokenizer, optimizer, config)
+    run = _DistillRun(out, student, tokenizer, optimizer, config, replica)
     run.base = run.last_eval = base_evaluation
     if resume_from is not None:  # load first: a failed load writes nothing
         state = load_checkpoint(resume_from, student, optimizer)
@@ -204,79 +277,102 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
         run.train_seconds = state.get("train_seconds", 0.0)
         run.base = state.get("base") or base_evaluation
         run.last_eval = state.get("last_eval") or run.base
-    out.mkdir(parents=True, exist_ok=True)
-    log = MetricsLog(out / "metrics.csv", DISTILL_COLUMNS,
-                     keep_upto=run.completed if resume_from is not None else None)
-    if resume_from is None:
-        atomic_write_json(out / "config.json", asdict(config))
-    tracker = open_tracker(config.report_to, out, asdict(config),
-                           resume_step=run.completed if resume_from is not None else None)
+        if replica is not None:
+            refresh_replica(replica, student)
+    run.open_logs(resumed=resume_from is not None)
 
     def evaluate_into_row():
         hook("eval", run.completed)
         figures = evaluate_now()
         with defer_interrupts():
             run.last_eval, run.eval_pending = figures, False
-            log.patch_last_row(eval_cells(figures, DISTILL_EVAL_COLUMNS))
-        tracker.log_eval(eval_cells(figures, DISTILL_EVAL_COLUMNS), run.completed)
-        plot_grpo_metrics(out / "metrics.csv", DISTILL_PLOT_COLUMNS, save_as=out / "metrics.png")
+            if run.log is not None:  # rank 0
+                run.log.patch_last_row(eval_cells(figures, DISTILL_EVAL_COLUMNS))
+                plot_grpo_metrics(out / "metrics.csv", DISTILL_PLOT_COLUMNS,
+                                  save_as=out / "metrics.png")
+        run.tracker.log_eval(eval_cells(figures, DISTILL_EVAL_COLUMNS), run.completed)
 
     def on_update(k, stats):
         hook("update", k)
+        if replica is not None:  # the same all-gathers on every process, after each update
+            refresh_replica(replica, student)
         now = time.time()
         run.train_seconds += now - run.tick
         row = {"step": k, **stats, "step_s": now - run.tick, "train_s": run.train_seconds}
-        log.append(row)
-        tracker.log_row(row)
+        if run.log is not None:
+            run.log.append(row)
+        run.tracker.log_row(row)
         run.completed = k
         run.eval_pending = bool(config.eval_every and k % config.eval_every == 0
                                 and k < config.steps)
 
     def after_update(k):
+        stop_if_interrupted(interrupted)
         if run.eval_pending:
             evaluate_into_row()
-        if run.policy.due(k):
+            stop_if_interrupted(interrupted)
+        if any_rank(run.policy.due(k)):
             with defer_interrupts():
                 hook("checkpoint", k)
                 run.checkpoint()
         run.tick = time.time()  # evaluations and checkpoints are not training time
 
-    try:
-        if run.base is None:
-            hook("base_eval", 0)
-            run.base = run.last_eval = evaluate_now()
-            tracker.log_eval(eval_cells(run.base, DISTILL_EVAL_COLUMNS), 0)
-        if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
-            evaluate_into_row()
-        run.tick = time.time()
-        train_sft(student, tokenizer, train_docs, steps=config.steps,
-                  batch_size=config.batch_size, lr=config.lr, warmup=config.warmup,
-                  weight_decay=config.weight_decay, grad_clip=config.grad_clip,
-                  min_lr_ratio=config.min_lr_ratio, seed=config.seed,
-                  progress=config.progress, optimizer=optimizer, start_step=run.completed,
-                  on_update=on_update, after_update=after_update)
-        hook("final_eval", run.completed)
-        final = evaluate_now()
-        with defer_interrupts():
-            hook("final_save", run.completed)
-            run.last_eval = final
-            log.patch_last_row(eval_cells(final, DISTILL_EVAL_COLUMNS))
-            tracker.log_eval(eval_cells(final, DISTILL_EVAL_COLUMNS), run.completed)
-            run.checkpoint("final")
-            summary = _summary(run, final, len(train_recs), len(val_recs), len(eval_set),
-                               time.time() - t_start)
-            atomic_write_json(out / "summary.json", summary)
-            plot_grpo_metrics(out / "metrics.csv", DISTILL_PLOT_COLUMNS,
-                              save_as=out / "metrics.png")
-            tracker.close()
-    except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal (SIGTERM, ...)
-        with defer_interrupts():
-            path = run.checkpoint()
-        tracker.close()
-        tqdm.write(f"{stop_reason(stop)}: {path} holds {run.completed} update(s); continue with "
-                   f"--resume {out}")
-        raise
+    # Several processes stop only where all of them check (`stop_if_interrupted`); one process
+    # stops at once (the stop signals raise StopSignal, Ctrl-C raises where it lands).
+    with record_interrupts(enabled=world > 1, signals=config.stop_signals) as interrupted:
+        try:
+            if run.base is None:
+                hook("base_eval", 0)
+                run.base = run.last_eval = evaluate_now()
+                run.tracker.log_eval(eval_cells(run.base, DISTILL_EVAL_COLUMNS), 0)
+            stop_if_interrupted(interrupted)
+            if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
+                evaluate_into_row()
+                stop_if_interrupted(interrupted)
+            run.tick = time.time()
+            train_sft(student, tokenizer, train_docs, steps=config.steps,
+                      batch_size=config.batch_size, lr=config.lr, warmup=config.warmup,
+                      weight_decay=config.weight_decay, grad_clip=config.grad_clip,
+                      min_lr_ratio=config.min_lr_ratio, seed=config.seed,
+                      # FSDP: one forward per update (a shared-prefix cache would keep
+                      # gathered weights alive past FSDP's reshard)
+                      share_prefix=replica is None,
+                      progress=config.progress, optimizer=optimizer, start_step=run.completed,
+                      on_update=on_update, after_update=after_update)
+            hook("final_eval", run.completed)
+            final = evaluate_now()
+            stop_if_interrupted(interrupted)
+            if world > 1:  # the replicas must have made identical updates
+                check_same_on_all_ranks(params_checksum(policy.parameters()), "model weights")
+            with defer_interrupts():
+                hook("final_save", run.completed)
+                run.last_eval = final
+                run.tracker.log_eval(eval_cells(final, DISTILL_EVAL_COLUMNS), run.completed)
+                if run.log is not None:
+                    run.log.patch_last_row(eval_cells(final, DISTILL_EVAL_COLUMNS))
+                run.checkpoint("final")
+                summary = _summary(run, final, len(train_recs), len(val_recs), len(eval_set),
+                                   time.time() - t_start)
+                run_on_main(_write_summary, out, summary)
+                run.tracker.close()
+        except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal (SIGTERM, ...)
+            with defer_interrupts():
+                path = run.checkpoint()
+                run_on_main(mark_stopped, out, exit_status(stop))
+            run.tracker.close()
+            if is_main():
+                tqdm.write(f"{stop_reason(stop)}: {path} holds {run.completed} update(s); "
+                           f"continue with --resume {out}")
+            barrier()  # no process exits (and makes torchrun stop the others) before the save
+            raise
+    barrier()  # every file is written when any process returns
     return summary
+
+
+def _write_summary(out, summary):
+    """summary.json and metrics.png (rank 0)."""
+    atomic_write_json(out / "summary.json", summary)
+    plot_grpo_metrics(out / "metrics.csv", DISTILL_PLOT_COLUMNS, save_as=out / "metrics.png")
 
 
 def _summary(run, final, n_train, n_val, n_eval, wall_seconds):
@@ -290,4 +386,8 @@ def _summary(run, final, n_train, n_val, n_eval, wall_seconds):
         "steps": run.config.steps, "train_traces": n_train, "val_traces": n_val,
         "eval_examples": n_eval, "train_seconds": run.train_seconds,
         "wall_seconds": wall_seconds, "output_dir": str(run.out),
+        "world_size": world_size(),
+        # FSDP: what each process holds of the weights and the AdamW state (`fsdp.shard_sizes`)
+        **({"shards": all_gather_objects(shard_sizes(run.model, run.optimizer))}
+           if run.replica is not None else {}),
     }

@@ -21,6 +21,10 @@ What the GRPO loop (training.py) needs, and why each helper exists:
 - `run_on_main`: file writes happen on rank 0 alone; its errors reach every rank, so no rank
   waits forever in a collective that rank 0 never joins.
 
+Chapter 9's distillation (`sft.sft_step`) uses the same pieces: each process takes its `shard`
+of a batch of traces, divides its summed loss by the whole batch's completion tokens and sums
+the gradients with `all_reduce_grads`.
+
 This is replicated data parallelism: every process holds the whole model and its AdamW state.
 fsdp.py shards them instead (`--fsdp`), reusing these helpers for everything but the gradients.
 """

@@ -1,6 +1,9 @@
-"""Sharded data parallelism (PyTorch's FSDP2, `fully_shard`) for the GRPO loop: each of N
-processes keeps 1/N of the trainable weights, their gradients and their AdamW state, so a model
-whose optimizer state does not fit one GPU still trains (`--fsdp` under torchrun).
+"""Sharded data parallelism (PyTorch's FSDP2, `fully_shard`) for the GRPO loop and chapter 9's
+distillation: each of N processes keeps 1/N of the trainable weights, their gradients and their
+AdamW state, so a model whose optimizer state does not fit one GPU still trains (`--fsdp` under
+torchrun). Distillation (distillation_training.py, `sft.sft_step`) uses the same helpers: the
+replica for evaluation, `dummy_backward` for a process without traces in a batch, the sharded
+checkpoints.
 
 How the loop (training.py) uses it, one helper per concern:
 - `shard_model`: `fully_shard` on every decoder block, then on the root (embedding, final norm,

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from .distributed import all_reduce_grads, all_reduce_sum, shard, world_size
+from .fsdp import dummy_backward, is_sharded
 from .interrupts import defer_interrupts
 from .qwen3 import KVCache
 
@@ -80,8 +82,8 @@ def batch_logits(model, prefix: torch.Tensor, inputs: torch.Tensor) -> torch.Ten
     gradients flow through the cache, so this equals running the full sequences, only cheaper.
     Padding is on the right, after every real token, so the causal mask alone suffices.
     """
-    if prefix.numel() == 0:
-        return model(inputs)
+    if prefix.numel() == 0:  # `forward` spelled out: a sharded model (fsdp.shard_model) runs
+        return model.lm_head(model.forward_hidden(inputs))  # forward_hidden as its forward
     cache = KVCache(model.cfg.num_hidden_layers)
     model(prefix[None], cache=cache)  # (1, P) fills the cache; its logits are not needed
     cache.expand(inputs.shape[0])
@@ -154,17 +156,42 @@ def make_sft_optimizer(model, lr: float, weight_decay: float) -> torch.optim.Ada
 
 def sft_step(model, optimizer, batch, pad_id: int, prefix: torch.Tensor, lr: float,
              grad_clip: float) -> tuple[float, int]:
-    """One update on `batch` (list of (prompt_ids, completion_ids)); returns (loss, tokens)."""
-    inputs, targets = collate(batch, pad_id, prefix.numel())
-    inputs, targets = inputs.to(model.device), targets.to(model.device)
+    """One update on `batch` (list of (prompt_ids, completion_ids)); returns (loss, tokens).
+
+    Data-parallel (distributed.py): every process gets the whole batch and trains on its
+    contiguous share (`distributed.shard`); its summed loss is divided by the *whole* batch's
+    completion tokens, so the gradients summed over the processes (`all_reduce_grads`, or FSDP's
+    reduce-scatter for a sharded model) are the one-process gradient of the mean loss. A
+    process without rows runs a zero-weighted pass (FSDP) or adds nothing (plain replicas).
+    """
     for group in optimizer.param_groups:
         group["lr"] = lr
-    loss = completion_loss(model, prefix, inputs, targets)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    total = sum(len(c) for _, c in batch)  # completion tokens (with EOS): the scored positions
+    sharded = is_sharded(model)
+    if world_size() == 1 and not sharded:  # the one-process loop, unchanged
+        inputs, targets = collate(batch, pad_id, prefix.numel())
+        inputs, targets = inputs.to(model.device), targets.to(model.device)
+        loss = completion_loss(model, prefix, inputs, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        return loss.item(), total
+    mine, local = shard(batch), 0.0
+    if mine:
+        inputs, targets = collate(mine, pad_id, prefix.numel())
+        inputs, targets = inputs.to(model.device), targets.to(model.device)
+        loss = completion_loss(model, prefix, inputs, targets, reduction="sum") / total
+        loss.backward()
+        local = loss.item()
+    elif sharded:
+        dummy_backward(model)  # FSDP's collectives need a partner on every process
+    if not sharded:  # FSDP reduce-scattered the sums in the backward pass already
+        all_reduce_grads(model.parameters())
+    # on DTensor shards the norm is the whole gradient's, so clipping the shards is exact
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
-    return loss.item(), int((targets != -100).sum())
+    return all_reduce_sum([local])[0], total
 
 
 @torch.no_grad()

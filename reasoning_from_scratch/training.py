@@ -655,7 +655,7 @@ class _Run:
         if key == self.saved:
             return path
         if self.replica is not None:  # every process writes its shards first (DCP)
-            tmp = run_on_main(_fresh_dir, path.with_name(path.name + ".tmp"))
+            tmp = run_on_main(fresh_dir, path.with_name(path.name + ".tmp"))
             save_sharded(tmp, self.model, self.optimizer)
             barrier()
         run_on_main(self._save, path)
@@ -714,7 +714,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
         config = replace(config, progress=False)  # rank 0 prints for everyone
     out = Path(config.output_dir)
     if resume_from is None:
-        run_on_main(_prepare_new_run_dir, out, overwrite)
+        run_on_main(prepare_new_run_dir, out, overwrite)
     hook = phase_hook or (lambda phase, step: None)
     replica = None
     if config.fsdp:  # shard before the optimizer exists: AdamW then holds shards only
@@ -756,7 +756,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
 
     bar = tqdm(total=config.steps, initial=run.completed, desc="grpo",
                disable=not config.progress)
-    # Several processes stop only where all of them check (`_stop_if_interrupted`); one
+    # Several processes stop only where all of them check (`stop_if_interrupted`); one
     # process stops at once (record_interrupts then only makes the stop signals raise
     # StopSignal, and Ctrl-C or any of them raises where it lands).
     with record_interrupts(enabled=world > 1, signals=config.stop_signals) as interrupted:
@@ -768,16 +768,16 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                 _print(config, f"base model: held-out {_eval_line(run.base)} "
                                f"({len(eval_set)} examples)")
             if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
-                _stop_if_interrupted(interrupted)
+                stop_if_interrupted(interrupted)
                 _evaluate_step(run, evaluate_now, hook)
             while run.completed < config.steps:
                 step = run.completed
                 # Stages 1-3: rollouts, rewards, advantages (grpo.collect_rollouts)
-                _stop_if_interrupted(interrupted)
+                stop_if_interrupted(interrupted)
                 hook("rollouts", step + 1)
                 batch, cost = _rollouts(policy, tokenizer, train_examples, device, config,
                                         reward_fn, advantage_fn, prompt_fn, step)
-                _stop_if_interrupted(interrupted)
+                stop_if_interrupted(interrupted)
                 with defer_interrupts():  # the update, its row and its samples: all or nothing
                     # Stages 4-5: log-probs and the update (grpo.grpo_loss_on_batch)
                     row = _apply_update(model, optimizer, batch, config, ref_model,
@@ -788,7 +788,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                 if run.bad_steps >= MAX_BAD_STEPS:
                     _stop_after_bad_steps(run)
                 if run.eval_pending:
-                    _stop_if_interrupted(interrupted)
+                    stop_if_interrupted(interrupted)
                     _evaluate_step(run, evaluate_now, hook)
                 if run.checkpoint_due():
                     with defer_interrupts():
@@ -810,10 +810,10 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
 def _finish(run, evaluate_now, interrupted, hook, eval_examples, t_start):
     """The final evaluation, checkpoint and summary.json once every step is done; returns
     (final figures, summary)."""
-    _stop_if_interrupted(interrupted)
+    stop_if_interrupted(interrupted)
     hook("final_eval", run.completed)
     final = evaluate_now()
-    _stop_if_interrupted(interrupted)
+    stop_if_interrupted(interrupted)
     if world_size() > 1:  # the replicas must have made identical updates
         weights = run.model if run.replica is None else run.replica
         check_same_on_all_ranks(params_checksum(weights.parameters()), "model weights")
@@ -833,7 +833,7 @@ def _save_interrupted(run, stop):
     process)."""
     with defer_interrupts():
         path = run.checkpoint()
-        run_on_main(_mark_stopped, run.out, exit_status(stop))
+        run_on_main(mark_stopped, run.out, exit_status(stop))
     run.tracker.close()  # after the checkpoint: closing may take a moment
     if run.main:  # printed even without progress output
         tqdm.write(f"{stop_reason(stop)}: {path} holds {run.completed} update(s); continue "
@@ -871,19 +871,19 @@ def _show_step(bar, run, row):
     _print(run.config, _row_line(row))
 
 
-def _mark_stopped(out, status):
+def mark_stopped(out, status):
     """`out`/stopped holding the exit status of a stopped run (rank 0; see STOPPED_FILE)."""
     (out / STOPPED_FILE).write_text(f"{status}\n")
 
 
-def _fresh_dir(path):
+def fresh_dir(path):
     """An empty directory at `path` (rank 0), for the shards of a checkpoint being written."""
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path
 
 
-def _prepare_new_run_dir(out, overwrite):
+def prepare_new_run_dir(out, overwrite):
     """Refuse (or, with `overwrite`, clear) a directory that holds a run; rank 0 does this."""
     if overwrite:
         clear_run_dir(out)
@@ -896,7 +896,7 @@ def _write_summary(out, summary, columns):
     plot_grpo_metrics(out / "metrics.csv", columns, save_as=out / "metrics.png")
 
 
-def _stop_if_interrupted(interrupted):
+def stop_if_interrupted(interrupted):
     """Raise KeyboardInterrupt (StopSignal for SIGTERM & co.) on every process if Ctrl-C or a
     stop signal reached any of them: every process passes these points in the same order, so
     they all stop at the same one."""

@@ -467,7 +467,7 @@ def test_a_deferred_interrupt_is_handed_on_to_the_recorder():
 
 
 @pytest.mark.parametrize("name", ["ch07_compare", "ch08_process_vs_outcome", "ch08_train_prm",
-                                  "ch09_distill", "ch09_distill_vs_rl"])
+                                  "ch09_distill_vs_rl"])
 def test_experiment_scripts_refuse_several_processes(name, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun --nproc-per-node 2 sets it
     spec = importlib.util.spec_from_file_location(name, ROOT / "chapters" / f"{name}.py")

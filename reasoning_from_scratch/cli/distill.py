@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -40,9 +41,16 @@ from ..distillation_training import (
     DistillConfig,
     train_distillation,
 )
-from ..distributed import refuse_multiple_processes
+from ..distributed import (
+    init_distributed,
+    is_main,
+    run_on_main,
+    shutdown_distributed,
+    world_size,
+)
 from ..evaluation import evaluate_policy
 from ..files import atomic_write_json, read_json
+from ..fsdp import init_group_of_one, is_sharded_checkpoint
 from ..interrupts import exit_status
 from ..training import GRPOConfig
 from ..validation import arg_type, positive_int
@@ -109,6 +117,9 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
     for f in fields(DistillConfig):
         if f.name in ("progress", "output_dir"):
             continue
+        if f.name == "fsdp":
+            p.add_argument("--fsdp", action="store_true", help=DISTILL_HELP["fsdp"])
+            continue
         if f.name == "report_to":
             add_report_argument(p, help=DISTILL_HELP["report_to"])
             continue
@@ -118,7 +129,7 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=None, help=DISTILL_HELP["output_dir"])
     p.add_argument("--resume", default=None,
                    help="run directory to continue exactly (its saved settings are used; "
-                        "--steps, --report-to, --device and --threads may be given again)")
+                        "--steps, --report-to, --fsdp, --device and --threads may be given again)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --output-dir")
     p.add_argument("--no-progress", dest="progress", action="store_false",
@@ -172,7 +183,9 @@ def _resolve(parser, args, argv):
                 read_json(run_dir / "config.json")  # no checkpoint: start over in place
             steps_given = any(a == "--steps" or a.startswith("--steps=") for a in argv or [])
             report_given = any(a.startswith("--report-to") for a in argv or [])
+            fsdp_given = "--fsdp" in (argv or [])
             values = {**saved, "steps": args.steps if steps_given else saved["steps"],
+                      "fsdp": True if fsdp_given else saved.get("fsdp", False),
                       "progress": args.progress, "output_dir": str(run_dir),
                       "report_to": args.report_to if report_given
                       else saved.get("report_to", ())}
@@ -187,6 +200,10 @@ def _resolve(parser, args, argv):
             if data["dataset"] != "arith":
                 data["train_level_weights"] = None
         config = DistillConfig.from_dict(values)
+        if ckpt and is_sharded_checkpoint(ckpt) != config.fsdp:  # the two kinds do not mix
+            kind = "with" if is_sharded_checkpoint(ckpt) else "without"
+            raise ValueError(f"{ckpt} was written by a run {kind} --fsdp; resume it {kind} "
+                             "--fsdp")
         check_report_backends(parser, config.report_to)
         return config, data, ckpt
     except (ValueError, FileNotFoundError, FileExistsError) as err:
@@ -217,12 +234,6 @@ def _traces(data, out, teacher, tokenizer, train, config):
     return records, stats
 
 
-# Why chapter 9 runs in one process (distributed.refuse_multiple_processes says it at start).
-ONE_PROCESS_ONLY = ("data-parallel SFT is not built yet: teacher sampling, the SFT loop and its "
-                    "checkpoints are single-process; the chapter 7 teacher itself can be trained "
-                    "with torchrun chapters/ch07_train.py")
-
-
 @dataclass
 class DistillRun:
     """A checked chapter 9 command: what `run_distillation` needs, as plain values."""
@@ -239,7 +250,6 @@ class DistillRun:
 def parse_distill_args(argv, description: str) -> DistillRun:
     """Parse and check chapters/ch09_distill.py's flags; a bad value exits 2 before anything
     is written."""
-    refuse_multiple_processes("ch09_distill.py", ONE_PROCESS_ONLY)
     parser = build_distill_parser(description)
     args = parser.parse_args(argv)
     config, data, ckpt = _resolve(parser, args, argv)
@@ -254,18 +264,41 @@ def run_distill_cli(argv, description: str) -> dict:
 
 
 def run_distillation(run: DistillRun) -> dict:
-    """Get teacher and traces, distil into the student; returns the summary."""
-    config, data, ckpt = run.config, run.data, run.checkpoint
+    """Get teacher and traces, distil into the student; returns the summary.
+
+    Under torchrun (distributed.py) every process runs this: the teacher is evaluated on each
+    process's share of the problems, rank 0 alone samples the traces (the others wait for them),
+    and every process trains on its share of each batch (`train_distillation`).
+    """
     set_threads(run.threads)
+    try:
+        device = init_distributed(get_device(run.device))  # a no-op without torchrun
+        if run.config.fsdp:  # sharding needs a process group, even one of one process
+            init_group_of_one()
+    except ValueError as err:  # e.g. torchrun on an MPS device: argparse's message and status
+        print(f"ch09_distill.py: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        return _distill(run, device)
+    finally:
+        shutdown_distributed()
+
+
+def _distill(run: DistillRun, device) -> dict:
+    """`run_distillation` once the process group (if any) is joined."""
+    config, data, ckpt = run.config, run.data, run.checkpoint
     t0 = time.time()
     out = Path(config.output_dir)
-    device = get_device(run.device)
     dtype = getattr(torch, run.dtype)
     train, held_out = load_grpo_data(data["dataset"], data["train_examples"], data["eval_split"],
                                      config.eval_examples, data["train_level_weights"])
     teacher_source = data.get("teacher_source") or data["teacher"]
     needs_teacher = not data["traces"] or data["teacher"]
     if needs_teacher and teacher_source is None:
+        if world_size() > 1:  # chapter7_teacher runs a whole (one-process) training
+            raise SystemExit(f"error: no --teacher given; train the chapter 7 teacher first "
+                             f"(torchrun ... chapters/ch07_train.py --output-dir "
+                             f"{data['teacher_run_dir']}) or pass --teacher")
         teacher_source = str(chapter7_teacher(data["teacher_run_dir"], run.threads,
                                               run.device))
     data["teacher_source"] = teacher_source
@@ -274,18 +307,21 @@ def run_distillation(run: DistillRun) -> dict:
     if teacher_source is not None and (teacher_accuracy is None
                                        or not (out / TRACES_FILE).is_file()):
         teacher, tokenizer = load_pretrained(teacher_source, device=device, dtype=dtype)
-        if teacher_accuracy is None:
+        if teacher_accuracy is None:  # every process evaluates its share of the problems
             teacher_accuracy = evaluate_policy(
                 teacher, tokenizer, held_out, device, config.eval_max_new_tokens,
                 config.eval_batch_size)["accuracy"]
-            print(f"teacher {teacher_source}: held-out accuracy {teacher_accuracy:.3f}")
-    out.mkdir(parents=True, exist_ok=True)
-    records, stats = _traces(data, out, teacher, tokenizer, train, config)
+            if is_main():
+                print(f"teacher {teacher_source}: held-out accuracy {teacher_accuracy:.3f}")
+    run_on_main(out.mkdir, parents=True, exist_ok=True)
+    records, stats = run_on_main(_traces, data, out, teacher, tokenizer, train, config)
     data.update(teacher_accuracy=teacher_accuracy, generation=stats)
-    atomic_write_json(out / "data.json", data)
+    run_on_main(atomic_write_json, out / "data.json", data)
     del teacher
     student, student_tok = load_pretrained(ckpt or data["student"], device=device, dtype=dtype)
-    print(f"student {data['student']}: {len(records)} traces; run dir {out}")
+    if is_main():
+        where = "" if world_size() == 1 else f" ({device.type} x {world_size()} processes)"
+        print(f"student {data['student']}: {len(records)} traces; run dir {out}{where}")
     try:
         summary = train_distillation(student, student_tok, records, held_out, device, config,
                                      resume_from=ckpt, overwrite=run.overwrite)
@@ -301,7 +337,10 @@ def run_distillation(run: DistillRun) -> dict:
                "sft_wall_seconds": summary["wall_seconds"], "teacher": teacher_source,
                "student": data["student"], "traces": stats, "config": asdict(config),
                **{k: v for k, v in summary.items() if k != "wall_seconds"}}
-    atomic_write_json(out / "summary.json", summary)
-    print(json.dumps({k: summary[k] for k in ("student_base_accuracy", "student_final_accuracy",
-                                              "teacher_accuracy", "wall_seconds")}, indent=2))
+    run_on_main(atomic_write_json, out / "summary.json", summary)
+    if is_main():
+        print(json.dumps({k: summary[k] for k in ("student_base_accuracy",
+                                                  "student_final_accuracy",
+                                                  "teacher_accuracy", "wall_seconds")},
+                         indent=2))
     return summary
