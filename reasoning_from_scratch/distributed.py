@@ -100,9 +100,16 @@ def init_distributed(device: torch.device) -> torch.device:
     return device
 
 
-def shutdown_distributed() -> None:
-    """Leave the process group (if any), so the process exits without a warning."""
+def shutdown_distributed(wait: bool = False) -> None:
+    """Leave the process group (if any), so the process exits without a warning.
+
+    wait: meet the other processes first (after a run that ended normally on every process), so
+    none tears down its Gloo threads while another still talks to it; never after an error,
+    where the others may not come.
+    """
     if is_distributed():
+        if wait and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

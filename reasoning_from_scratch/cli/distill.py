@@ -279,9 +279,12 @@ def run_distillation(run: DistillRun) -> dict:
         print(f"ch09_distill.py: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        return _distill(run, device)
-    finally:
+        result = _distill(run, device)
+    except BaseException:
         shutdown_distributed()
+        raise
+    shutdown_distributed(wait=True)  # every process finished: leave together
+    return result
 
 
 def _distill(run: DistillRun, device) -> dict:

@@ -272,9 +272,12 @@ def run_training(run: TrainRun):
         print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        return _train(run, device)
-    finally:
+        result = _train(run, device)
+    except BaseException:
         shutdown_distributed()
+        raise
+    shutdown_distributed(wait=True)  # every process finished: leave together
+    return result
 
 
 def run_cli(argv, description, defaults: GRPOConfig, run_prefix):
