@@ -179,6 +179,15 @@ def _ch07_main():
     return script.main
 
 
+def _run_here(argv):
+    """chapters/ch07_train.py with `argv` in this process; torch's thread count restored."""
+    threads = torch.get_num_threads()
+    try:
+        return _ch07_main()(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The same 3 steps by two processes (torchrun, reporting to TensorBoard when it is
@@ -188,11 +197,7 @@ def runs(tmp_path_factory):
     report = ["--report-to", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
     proc, writes = _torchrun(tmp, two, ["--output-dir", str(two), *FLAGS, *report])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    threads = torch.get_num_threads()
-    try:
-        _ch07_main()(["--output-dir", str(one), *FLAGS])
-    finally:
-        torch.set_num_threads(threads)
+    _run_here(["--output-dir", str(one), *FLAGS])
     return {"tmp": tmp, "two": two, "one": one, "writes": writes, "stdout": proc.stdout}
 
 
@@ -313,11 +318,7 @@ def test_two_processes_log_the_one_process_step_statistics(tmp_path):
     two, one = tmp_path / "two", tmp_path / "one"
     proc, _ = _torchrun(tmp_path, two, ["--output-dir", str(two), *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    threads = torch.get_num_threads()
-    try:
-        _ch07_main()(["--output-dir", str(one), *flags])
-    finally:
-        torch.set_num_threads(threads)
+    _run_here(["--output-dir", str(one), *flags])
     columns = [*training.PROCESS_COLUMNS.values(), *REWARD_COLUMNS]
     rows1, rows2 = _rows(one), _rows(two)
     assert [{c: r[c] for c in columns} for r in rows2] == \

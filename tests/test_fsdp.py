@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from test_distributed import FLAGS as DP_FLAGS
-from test_distributed import REWARD_COLUMNS, _ch07_main, _max_diff, _rows, _torchrun, _weights
+from test_distributed import REWARD_COLUMNS, _max_diff, _rows, _run_here, _torchrun, _weights
 
 from reasoning_from_scratch import training
 from reasoning_from_scratch.datasets import load_dataset_by_name
@@ -49,11 +49,7 @@ def runs(tmp_path_factory):
     two, one = tmp / "two", tmp / "one"
     proc, writes = _torchrun(tmp, two, ["--output-dir", str(two), *FLAGS, "--fsdp"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    threads = torch.get_num_threads()
-    try:
-        _ch07_main()(["--output-dir", str(one), *FLAGS])
-    finally:
-        torch.set_num_threads(threads)
+    _run_here(["--output-dir", str(one), *FLAGS])
     return {"tmp": tmp, "two": two, "one": one, "writes": writes}
 
 
@@ -221,11 +217,7 @@ def test_ctrl_c_on_one_rank_inside_the_update_stops_both_after_it(runs):
     assert f"interrupted: {out / 'checkpoint-2'} holds 2 update(s)" in proc.stdout, \
         proc.stderr[-3000:]
     assert (out / "stopped").read_text() == "130\n"
-    threads = torch.get_num_threads()
-    try:
-        _ch07_main()(["--resume", str(out), "--no-progress"])
-    finally:
-        torch.set_num_threads(threads)
+    _run_here(["--resume", str(out), "--no-progress"])
     assert _max_diff(_weights(out), _weights(runs["two"])) < 1e-5
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -34,7 +33,7 @@ from ..checkpoints import (
     run_dir_of,
 )
 from ..datasets import DATASET_NAMES
-from ..device import check_device, get_device
+from ..device import check_device
 from ..distillation import filter_traces, generate_distillation_data, read_traces, write_traces
 from ..distillation_training import (
     DISTILL_RULES,
@@ -42,20 +41,19 @@ from ..distillation_training import (
     train_distillation,
 )
 from ..distributed import (
-    init_distributed,
     is_main,
     run_on_main,
-    shutdown_distributed,
     world_size,
 )
 from ..evaluation import evaluate_policy
 from ..files import atomic_write_json, read_json
-from ..fsdp import init_group_of_one, is_sharded_checkpoint
+from ..fsdp import is_sharded_checkpoint
 from ..interrupts import exit_status
 from ..training import GRPOConfig
 from ..validation import arg_type, positive_int
 from ..weights import load_pretrained
-from .arguments import add_runtime_arguments, add_sampling_arguments, set_threads
+from .arguments import add_runtime_arguments, add_sampling_arguments
+from .launch import run_in_process_group
 from .train import (
     add_data_arguments,
     add_report_argument,
@@ -270,21 +268,7 @@ def run_distillation(run: DistillRun) -> dict:
     process's share of the problems, rank 0 alone samples the traces (the others wait for them),
     and every process trains on its share of each batch (`train_distillation`).
     """
-    set_threads(run.threads)
-    try:
-        device = init_distributed(get_device(run.device))  # a no-op without torchrun
-        if run.config.fsdp:  # sharding needs a process group, even one of one process
-            init_group_of_one()
-    except ValueError as err:  # e.g. torchrun on an MPS device: argparse's message and status
-        print(f"ch09_distill.py: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    try:
-        result = _distill(run, device)
-    except BaseException:
-        shutdown_distributed()
-        raise
-    shutdown_distributed(wait=True)  # every process finished: leave together
-    return result
+    return run_in_process_group(_distill, run, "ch09_distill.py")
 
 
 def _distill(run: DistillRun, device) -> dict:

@@ -37,23 +37,22 @@ from ..checkpoints import (
     run_dir_of,
 )
 from ..datasets import DATASET_NAMES, load_dataset_by_name
-from ..device import check_device, get_device
+from ..device import check_device
 from ..distributed import (
     env_world_size,
-    init_distributed,
     is_main,
     run_on_main,
-    shutdown_distributed,
     world_size,
 )
 from ..files import atomic_write_json, read_json
-from ..fsdp import init_group_of_one, is_sharded_checkpoint
+from ..fsdp import is_sharded_checkpoint
 from ..interrupts import exit_status
 from ..tracking import REPORT_CHOICES, missing_backend, report_targets
 from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
 from ..validation import arg_type, optional_positive_int
 from ..weights import load_pretrained
-from .arguments import add_model_argument, add_runtime_arguments, set_threads
+from .arguments import add_model_argument, add_runtime_arguments
+from .launch import run_in_process_group
 
 # Help, range and choices of every GRPOConfig field live in its metadata (training.py)
 CONFIG_HELP = {f.name: f.metadata["help"] for f in fields(GRPOConfig)}
@@ -263,21 +262,7 @@ def parse_train_args(argv, description, defaults: GRPOConfig, run_prefix) -> Tra
 def run_training(run: TrainRun):
     """Load model and data and run `train_grpo` (data-parallel under torchrun); returns the
     summary."""
-    set_threads(run.threads)
-    try:
-        device = init_distributed(get_device(run.device))  # a no-op without torchrun
-        if run.config.fsdp:  # sharding needs a process group, even one of one process
-            init_group_of_one()
-    except ValueError as err:  # e.g. torchrun on an MPS device: argparse's message and status
-        print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    try:
-        result = _train(run, device)
-    except BaseException:
-        shutdown_distributed()
-        raise
-    shutdown_distributed(wait=True)  # every process finished: leave together
-    return result
+    return run_in_process_group(_train, run, Path(sys.argv[0]).name)
 
 
 def run_cli(argv, description, defaults: GRPOConfig, run_prefix):
