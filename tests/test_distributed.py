@@ -437,6 +437,7 @@ def _helpers_worker(rank_, init_file, out_dir):
                     "sum": distributed.all_reduce_sum([rank_ + 1, 0.5]),
                     "gathered": distributed.gather_lists(distributed.shard(list(range(5))))},
                    f"{out_dir}/{rank_}.pt")
+        torch.distributed.barrier()  # no process tears down Gloo while the other still talks
     finally:
         torch.distributed.destroy_process_group()
 

@@ -115,7 +115,7 @@ import sys
 from dataclasses import replace
 import torch, torch.distributed as dist
 from safetensors.torch import save_file
-from reasoning_from_scratch import fsdp, training
+from reasoning_from_scratch import distributed, fsdp, training
 sys.path.insert(0, sys.argv[2])
 from test_fsdp import fixed_batch
 dist.init_process_group("gloo")
@@ -128,7 +128,7 @@ state = fsdp.full_state(model)
 if dist.get_rank() == 0:
     save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[1])
     print("grad_norm", stats["grad_norm"])
-dist.destroy_process_group()
+distributed.shutdown_distributed(wait=True)  # meet before Gloo's threads go (rank 0 saved)
 """
 
 
