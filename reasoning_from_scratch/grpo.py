@@ -650,7 +650,7 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
                 "problem": example["problem"], "answer": example["answer"],
                 "text": ro.texts[g], "reward": scored[g][0], **scored[g][1],
                 "advantage": advantages[i, g].item(), "length": int(ro.lengths[g]),
-                "truncated": bool(ro.truncated[g]),
+                "prompt_tokens": ro.prompt_len, "truncated": bool(ro.truncated[g]),
             })
     num_tokens = int(sum(int(ro.lengths.sum()) for _, ro, _ in groups))
 
