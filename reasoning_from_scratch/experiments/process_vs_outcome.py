@@ -301,26 +301,31 @@ def _load_curve(run_dir):
     return curve
 
 
-def _cumulative_costs(metrics_csv):
-    """step -> (training seconds, rollout tokens, step-scorer tokens), summed up to that step.
+COST_COLUMNS = ("step_time", "gen_tokens", "scorer_tokens", "forward_tokens")
 
-    Seconds are the trainer's step_time (rollouts + scoring + updates, no evaluation); tokens are
-    NaN if the run's metrics.csv has no gen_tokens / scorer_tokens columns.
+
+def _cumulative_costs(metrics_csv):
+    """step -> (training seconds, rollout tokens, step-scorer tokens, forward tokens), summed up
+    to that step.
+
+    Seconds are the trainer's step_time (rollouts + scoring + updates, no evaluation); a token
+    sum is NaN if the run's metrics.csv has no such column (written by an older version).
     """
-    out, secs, gen, scorer = {0: (0.0, 0.0, 0.0)}, 0.0, 0.0, 0.0
+    out, sums = {0: (0.0,) * len(COST_COLUMNS)}, [0.0] * len(COST_COLUMNS)
     for r in read_metrics(metrics_csv):
-        secs += r.get("step_time") or 0.0
-        gen += math.nan if r.get("gen_tokens") is None else r["gen_tokens"]
-        scorer += math.nan if r.get("scorer_tokens") is None else r["scorer_tokens"]
-        out[int(r["step"])] = (secs, gen, scorer)
+        for i, col in enumerate(COST_COLUMNS):
+            v = r.get(col)
+            sums[i] += (0.0 if col == "step_time" else math.nan) if v is None else v
+        out[int(r["step"])] = tuple(sums)
     return out
 
 
 def _make_point(step, costs, figures):
-    """One evaluated checkpoint: step, seconds, cumulative tokens and the held-out figures."""
-    secs, gen, scorer = costs.get(step, (math.nan,) * 3)
+    """One evaluated checkpoint: step, seconds, cumulative tokens (sampled: `tokens`, rollouts +
+    scorer; read without sampling: `forward_tokens`) and the held-out figures."""
+    secs, gen, scorer, forward = costs.get(step, (math.nan,) * len(COST_COLUMNS))
     return {"step": step, "seconds": secs, "gen_tokens": gen, "scorer_tokens": scorer,
-            "tokens": gen + scorer, **figures}
+            "tokens": gen + scorer, "forward_tokens": forward, **figures}
 
 
 def _checkpoint_points(run_dir, config, tokenizer, held_out, device, summary):
@@ -333,17 +338,20 @@ def _checkpoint_points(run_dir, config, tokenizer, held_out, device, summary):
     cache_file = run_dir / "evals.json"
     cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
     points, every = [], config.checkpoint_every
-    for step in range(every, config.steps, every):
-        if str(step) not in cache:
-            model, _ = load_pretrained(run_dir / f"checkpoint-{step}", device=device,
-                                       dtype=torch.float32)
+    steps = [*range(every, config.steps, every), config.steps]
+    for step in steps:
+        if str(step) not in cache:  # the final model too, for its per-problem outcomes
+            name = "final" if step == config.steps else f"checkpoint-{step}"
+            model, _ = load_pretrained(run_dir / name, device=device, dtype=torch.float32)
             cache[str(step)] = evaluate_policy(model, tokenizer, held_out[:config.eval_examples],
                                                device, config.eval_tokens,
-                                               config.eval_batch_size)
+                                               config.eval_batch_size, per_problem=True)
             atomic_write_json(cache_file, cache)
+    for step in steps[:-1]:
         points.append(_make_point(step, costs, cache[str(step)]))
     final = {k: summary[f"final_{k}"] for k in METRICS}
     final["per_level"] = {lv: v["final"] for lv, v in summary.get("per_level", {}).items()}
+    final["per_problem"] = cache[str(config.steps)].get("per_problem")
     points.append(_make_point(config.steps, costs, final))
     for ckpt in run_dir.glob("checkpoint-*"):
         shutil.rmtree(ckpt)  # keep the disk small
