@@ -128,6 +128,9 @@ ARMS = {
     "format-progress": ("format", "progress"),
     "placebo": ("verifier-think", "progress"), "shuffled": ("verifier-think", "progress"),
     "placebo-a2": ("verifier-think", "progress"), "shuffled-a2": ("verifier-think", "progress"),
+    "recommended-a1": ("verifier-think", "progress"),
+    "placebo-a4": ("verifier-think", "progress"), "shuffled-a4": ("verifier-think", "progress"),
+    "placebo-a8": ("verifier-think", "progress"), "shuffled-a8": ("verifier-think", "progress"),
 }
 # Per-arm GRPOConfig values that differ from the shared flags. The recommended arm drops the
 # groups whose token advantages are all zero (equal outcomes and equal verified steps): they
@@ -152,6 +155,13 @@ ARM_CONFIG = {"recommended": RECOMMENDED,
               "shuffled": {**RECOMMENDED, "process_credit_control": "shuffled"},
               "placebo-a2": {**RECOMMENDED, "process_alpha": 2.0, "process_credit_control": "flat"},
               "shuffled-a2": {**RECOMMENDED, "process_alpha": 2.0,
+                              "process_credit_control": "shuffled"},
+              "recommended-a1": RECOMMENDED,
+              "placebo-a4": {**RECOMMENDED, "process_alpha": 4.0, "process_credit_control": "flat"},
+              "shuffled-a4": {**RECOMMENDED, "process_alpha": 4.0,
+                              "process_credit_control": "shuffled"},
+              "placebo-a8": {**RECOMMENDED, "process_alpha": 8.0, "process_credit_control": "flat"},
+              "shuffled-a8": {**RECOMMENDED, "process_alpha": 8.0,
                               "process_credit_control": "shuffled"}}
 DEFAULT_ARMS = "outcome,verifier,mc,prm,verifier+outcome"
 LABELS = {
@@ -185,6 +195,11 @@ LABELS = {
     "shuffled": "control: recommended's credit shuffled among each completion's steps",
     "placebo-a2": "control: recommended x 2's credit spread evenly over each completion",
     "shuffled-a2": "control: recommended x 2's credit shuffled among each completion's steps",
+    "recommended-a1": "recommended, step credit x 1",
+    "placebo-a4": "control: recommended x 4's credit spread evenly over each completion",
+    "shuffled-a4": "control: recommended x 4's credit shuffled among each completion's steps",
+    "placebo-a8": "control: recommended x 8's credit spread evenly over each completion",
+    "shuffled-a8": "control: recommended x 8's credit shuffled among each completion's steps",
 }
 COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm": "tab:orange",
           "verifier+outcome": "tab:olive", "mc+outcome": "tab:purple",
@@ -200,7 +215,9 @@ COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm"
           "pure": "gold", "vps": "tab:green", "outcome-format-any": "lightblue",
           "outcome-format-any-w1": "steelblue", "format-progress": "tab:olive",
           "placebo": "tab:pink", "shuffled": "tab:brown", "placebo-a2": "hotpink",
-          "shuffled-a2": "peru"}
+          "shuffled-a2": "peru",
+          "recommended-a1": "black", "placebo-a4": "hotpink", "shuffled-a4": "peru",
+          "placebo-a8": "hotpink", "shuffled-a8": "peru"}
 # Held-out figures of every evaluated checkpoint (keys of evaluate()'s summary; may be None).
 METRICS = ("accuracy", "step_correctness", "right_answer_wrong_step", "think_accuracy",
            "format_rate")
