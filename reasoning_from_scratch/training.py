@@ -1110,11 +1110,14 @@ def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step
 
 def _forward_tokens(batch, config, with_reference: bool) -> int:
     """Tokens the policy (and its reference) read in one step without sampling them, summed over
-    processes: every rollout's prompt prefilled once, then each row that enters the update
-    (prompt + completion, padding excluded) once per inner epoch with gradients, once more
-    without for the old policy's log-probs (inner epochs > 1) and once for the reference's.
-    A backward pass is not counted (it costs about two forwards of the same tokens, for
-    every arm alike)."""
+    processes: each rollout's prompt once (`prompt_tokens` of its sample; sampling prefills a
+    group's prompt once and repeats its cache, so this counts (G - 1) prompts per group more
+    than were computed, the same for every arm), then each row that enters the update (its
+    positions less the prompt's left padding; the completions' right padding is counted, as
+    the forward pass computes it) once per inner epoch with gradients, once more without for
+    the old policy's log-probs (inner epochs > 1) and once for the reference's. A backward
+    pass is not counted (it costs about two forwards of the same tokens, for every arm
+    alike)."""
     prefill = sum(s.get("prompt_tokens", 0) for s in batch.samples)  # the whole step's
     if batch.attention_mask is None:
         rows = batch.input_ids.numel()
