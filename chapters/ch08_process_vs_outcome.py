@@ -73,8 +73,9 @@ def build_parser():
     add_data_arguments(p)
     p.add_argument("--process-skip-zero-advantage", default=False,
                    action=argparse.BooleanOptionalAction,
-                   help="skip groups with equal outcome rewards in the process arms too (they "
-                        "can still differ step by step, so the default keeps them)")
+                   help="in the process arms, drop the groups whose token advantages are all "
+                        "exactly zero (equal outcomes and no step credit); a group with equal "
+                        "outcomes whose steps differ is kept either way (default: keep all)")
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="runs trained at once, each in its own process with one CPU thread "
                         "(on N cores: --jobs N); then the table as usual")

@@ -227,7 +227,9 @@ class GRPOConfig:
         "advantage scaling: group std (GRPO), batch std, or none (Dr. GRPO)",
         choices=SCALE_REWARDS)
     skip_zero_advantage: bool = option(True,
-        "drop groups whose rewards are all equal (no learning signal)")
+        "drop groups with no learning signal: rewards all equal (outcome supervision), or, "
+        "with process supervision, token advantages all exactly zero (equal outcomes and no "
+        "step credit)")
     reward_normalization: str = option("sum",
         "sum: normalise the weighted sum of the reward terms in each group (GRPO); per_reward: "
         "normalise each term in its group, then sum (GDPO)",

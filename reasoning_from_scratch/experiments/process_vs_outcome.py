@@ -22,9 +22,11 @@ seeds each:
   format alone (format-progress), and recommended's own credit spread evenly over each
   completion's tokens (placebo) or shuffled among its steps (shuffled).
 
-The process arms keep the groups whose outcome rewards are all equal (the trainer's
-`skip_zero_advantage` looks at outcome rewards only, and such groups can still differ step by
-step; --process-skip-zero-advantage restores the skipping). What each reward contains: the outcome
+The process arms keep every group by default, even one with no signal at all.
+--process-skip-zero-advantage (the trainer's `skip_zero_advantage` under a process advantage_fn)
+drops the groups whose token advantages are all exactly zero: equal outcomes *and* no step
+credit. A group with equal outcomes whose steps differ is kept either way.
+What each reward contains: the outcome
 reward is correctness + format bonus; the verifier's step rewards check the arithmetic and (last
 step) the boxed answer, without the format bonus; the PRM estimates the verifier's labels.
 
@@ -242,7 +244,8 @@ class ExperimentSettings:
     eval_split: str = "test"
     train_examples: int | None = None
     train_level_weights: tuple | list | None = DEFAULT_TRAIN_LEVEL_WEIGHTS
-    process_skip_zero_advantage: bool = False  # skip equal-outcome groups in process arms too
+    # process arms: drop groups whose token advantages are all zero (outcome and step credit)
+    process_skip_zero_advantage: bool = False
     report_only: bool = False  # train nothing: tabulate the finished runs
     jobs: int = 1  # runs trained at once, each in its own process with one CPU thread
     device: str | None = None
