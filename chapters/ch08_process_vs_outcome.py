@@ -50,6 +50,8 @@ from reasoning_from_scratch.validation import (
     seed_list,
 )
 
+# Every problem of the held-out split (val and test have 500 each), for intervals over problems.
+EVAL_EXAMPLES = 500
 # Why torchrun is refused (each of its processes would run every arm and write the same files).
 ONE_PROCESS_ONLY = ("it trains many small runs (arms x seeds), one after another, into shared "
                     "result files; for more cores start one experiment per --seeds value with "
@@ -70,7 +72,7 @@ def build_parser():
     p.add_argument("--eval-points", type=positive_int, default=4,
                    help="evaluate a checkpoint every steps // eval-points steps and at --steps "
                         "(about this many per run), besides the base model at step 0")
-    add_data_arguments(p)
+    add_data_arguments(p, eval_split="val")  # choose on val; report on test
     p.add_argument("--process-skip-zero-advantage", default=False,
                    action=argparse.BooleanOptionalAction,
                    help="in the process arms, drop the groups whose token advantages are all "
@@ -109,10 +111,12 @@ def build_parser():
                            "+outcome arms always use process+outcome)",
         "mc_rollouts": "Monte-Carlo continuations per step prefix (arms mc, mc+outcome; and the "
                        "PRM's labels with --prm-labels mc)",
+        "eval_examples": "held-out problems evaluated at every checkpoint (default: all "
+                         "500 of the val or test split, for intervals over problems)",
         **{name: f"not used here: {why}" for name, why in PER_RUN.items()},
     }
     g = p.add_argument_group("GRPO settings shared by every arm (GRPOConfig)")
-    add_config_arguments(g, GRPOConfig(), helps)
+    add_config_arguments(g, GRPOConfig(eval_examples=EVAL_EXAMPLES), helps)
     return p
 
 
