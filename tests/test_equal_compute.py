@@ -118,3 +118,28 @@ def test_summary_intervals_and_per_seed_labels_follow_the_seeds():
     assert iv["vs_outcome"]["final_accuracy"]["mean"] == pytest.approx(0.875 - 0.375)
     assert iv["vs_outcome"]["final_accuracy"]["lo"] >= 0  # never behind on a problem and seed
     assert "vs_placebo" not in iv  # placebo-a2 not run
+
+
+def test_arm_records():
+    from reasoning_from_scratch.experiments.process_vs_outcome import (
+        ARMS,
+        RECOMMENDED_ALPHA,
+        placebo_of,
+    )
+
+    # the think-native choice `recommended` and its controls share one alpha; tiny-arith's
+    # choice keeps alpha 1 under its own name
+    for name in ("recommended", "placebo", "shuffled"):
+        assert ARMS[name].config["process_alpha"] == RECOMMENDED_ALPHA
+    assert ARMS["recommended-tiny-arith"].config == {"process_alpha": 1.0,
+                                                     "skip_zero_advantage": True}
+    assert ARMS["placebo-a2"].config == {"process_alpha": 2.0, "skip_zero_advantage": True,
+                                         "process_credit_control": "flat"}
+    assert ARMS["recommended-a2-keep"].config == {"process_alpha": 2.0}
+    assert ARMS["outcome"].scorer is None and ARMS["vine-k2"].config == {"mc_rollouts": 2}
+    assert placebo_of("recommended-a2") == "placebo-a2" and placebo_of("outcome") is None
+    for arm in ARMS.values():  # a placebo is the same form with its credit spread evenly
+        if arm.placebo:
+            p = ARMS[arm.placebo]
+            assert (p.scorer, p.variant) == (arm.scorer, arm.variant)
+            assert p.config == {**arm.config, "process_credit_control": "flat"}

@@ -77,7 +77,7 @@ import multiprocessing
 import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -108,139 +108,126 @@ from .stats import (
 )
 from .stats import format_value as _opt  # short: the table lines are long
 
-# arm -> (step scorer spec, process variant; None = --process-variant). "prm" and "online-prm*"
-# specs get the PRM's path later (prm:PATH, online-prm:PATH, online-prm-outcome:PATH).
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of the experiment: how its runs are supervised and how the tables show them."""
+
+    label: str  # its row in the tables, its line in the figure
+    color: str  # its line's colour
+    # step scorer spec (`process_supervision.build_step_scorer`; "prm" and "online-prm*" get the
+    # PRM's path later: prm:PATH, online-prm:PATH, online-prm-outcome:PATH); None: outcome
+    scorer: str | None = None
+    variant: str | None = None  # process variant; None: --process-variant
+    config: dict = field(default_factory=dict)  # GRPOConfig values that differ from the flags
+    placebo: str | None = None  # the arm that spreads this arm's credit evenly (its control)
+
+
+def _recommended(alpha: float, **extra) -> dict:
+    """GRPOConfig values of the recommended form at step-credit weight `alpha`: the groups whose
+    token advantages are all zero (equal outcomes and equal verified steps) are dropped: they
+    carry no signal, and training on them doubled the update's cost."""
+    return {"process_alpha": alpha, "skip_zero_advantage": True, **extra}
+
+
+# The step-credit weight of `recommended` (and its controls `placebo`, `shuffled`): the form
+# chosen on tiny-arith-think's val split. `recommended-tiny-arith` keeps tiny-arith's choice.
+RECOMMENDED_ALPHA = 1.0
+THINK = ("verifier-think", "progress")  # outcome + progress credit of the think-only verifier
+FLAT, SHUFFLED = {"process_credit_control": "flat"}, {"process_credit_control": "shuffled"}
+
+
+def _alpha_arms(suffix: str, alpha: float, color: str, placebo_color: str, shuffled_color: str,
+                what: str) -> dict:
+    """`recommended<suffix>` at step-credit weight `alpha` and its two controls."""
+    return {
+        f"recommended{suffix}": Arm(f"recommended, step credit x {what}", color, *THINK,
+                                    _recommended(alpha), placebo=f"placebo{suffix}"),
+        f"placebo{suffix}": Arm(f"control: recommended x {what}'s credit spread evenly over "
+                                "each completion", placebo_color, *THINK,
+                                _recommended(alpha, **FLAT)),
+        f"shuffled{suffix}": Arm(f"control: recommended x {what}'s credit shuffled among each "
+                                 "completion's steps", shuffled_color, *THINK,
+                                 _recommended(alpha, **SHUFFLED)),
+    }
+
+
 ARMS = {
-    "outcome": (None, None), "verifier": ("verifier", None), "mc": ("mc", None),
-    "prm": ("prm", None), "verifier+outcome": ("verifier", "process+outcome"),
-    "mc+outcome": ("mc", "process+outcome"),
+    "outcome": Arm("outcome", "tab:blue"),
+    "verifier": Arm("process (verifier)", "tab:green", "verifier"),
+    "mc": Arm("process (MC)", "tab:red", "mc"),
+    "prm": Arm("process (learned PRM)", "tab:orange", "prm"),
+    "verifier+outcome": Arm("process (verifier) + outcome", "tab:olive", "verifier",
+                            "process+outcome"),
+    "mc+outcome": Arm("process (MC) + outcome", "tab:purple", "mc", "process+outcome"),
     # outcome-anchored forms (process.anchored_credit)
-    "first-error": ("verifier", "first-error"), "progress": ("verifier", "progress"),
-    "progress-think": ("verifier-think", "progress"),
-    "first-error-think": ("verifier-think", "first-error"),
-    "prm-clip": ("prm", "clip"), "prm-delta": ("prm", "delta"), "prm-pure": ("prm", "pure"),
-    "prm-progress": ("prm", "progress"), "mc-delta": ("mc", "value-delta"),
+    "first-error": Arm("outcome + first-error penalty (verifier)", "tab:gray", "verifier",
+                       "first-error"),
+    "progress": Arm("outcome + progress (verifier)", "tab:cyan", "verifier", "progress"),
+    "progress-think": Arm("outcome + progress (verifier, think-format steps only)", "teal",
+                          *THINK),
+    "first-error-think": Arm("outcome + first-error penalty (verifier, think-format steps only)",
+                             "dimgray", "verifier-think", "first-error"),
+    "prm-clip": Arm("outcome + clip form (PRM)", "tab:pink", "prm", "clip"),
+    "prm-delta": Arm("outcome + delta form (PRM)", "tab:brown", "prm", "delta"),
+    "prm-pure": Arm("PURE min form (PRM)", "gold", "prm", "pure"),
+    "prm-progress": Arm("outcome + progress (PRM)", "darkorange", "prm", "progress"),
+    "mc-delta": Arm("outcome + MC value differences", "darkred", "mc", "value-delta"),
     # VinePPO values from the group itself plus continuations branched from the rollouts' caches
-    "vine": ("mc-branch", "value-delta"), "vine-k2": ("mc-branch", "value-delta"),
-    "online-prm": ("online-prm", "progress"),
-    "online-prm-outcome": ("online-prm-outcome", "progress"),
+    "vine": Arm("outcome + MC value differences (group + branched caches, k = 4)", "firebrick",
+                "mc-branch", "value-delta"),
+    "vine-k2": Arm("outcome + MC value differences (group + branched caches, k = 2)", "salmon",
+                   "mc-branch", "value-delta", {"mc_rollouts": 2}),
+    "online-prm": Arm("outcome + progress (online PRM, verifier labels)", "tab:purple",
+                      "online-prm", "progress"),
+    "online-prm-outcome": Arm("outcome + progress (online PRM, outcome labels)", "indigo",
+                              "online-prm-outcome", "progress"),
     # the configuration chapter 8 recommends (see docs/process_supervision_forms.md)
-    "recommended": ("verifier-think", "progress"),
-    "recommended-a05": ("verifier-think", "progress"),
-    "recommended-a2": ("verifier-think", "progress"),
-    "recommended-a4": ("verifier-think", "progress"),
-    "recommended-a8": ("verifier-think", "progress"),
-    "recommended-a2-keep": ("verifier-think", "progress"),
-    "recommended-a4-keep": ("verifier-think", "progress"),
-    "pure": ("verifier", "pure"),
+    "recommended": Arm("recommended: outcome + progress (verifier-think, skip zero-signal "
+                       "groups)", "black", *THINK, _recommended(RECOMMENDED_ALPHA),
+                       placebo="placebo"),
+    "recommended-a05": Arm("recommended, step credit x 0.5", "dimgrey", *THINK,
+                           _recommended(0.5)),
+    "recommended-a1": Arm("recommended, step credit x 1", "black", *THINK, _recommended(1.0)),
+    **_alpha_arms("-a2", 2.0, "darkviolet", "hotpink", "peru", "2"),
+    **_alpha_arms("-a4", 4.0, "mediumorchid", "hotpink", "peru", "4"),
+    **_alpha_arms("-a8", 8.0, "plum", "hotpink", "peru", "8"),
+    # zero-signal groups kept, as every other form keeps them
+    "recommended-a2-keep": Arm("recommended, step credit x 2, zero-signal groups kept",
+                               "slateblue", *THINK, {"process_alpha": 2.0}),
+    "recommended-a4-keep": Arm("recommended, step credit x 4, zero-signal groups kept",
+                               "royalblue", *THINK, {"process_alpha": 4.0}),
+    "pure": Arm("PURE min form (verifier)", "gold", "verifier", "pure"),
     # GRPO-VPS: value differences of the policy's belief in the gold answer (no verifier)
-    "vps": ("belief", "value-delta"),
-    # controls: what the recommended arm's gain is made of
-    "outcome-format-any": (None, None), "outcome-format-any-w1": (None, None),
-    "format-progress": ("format", "progress"),
-    "placebo": ("verifier-think", "progress"), "shuffled": ("verifier-think", "progress"),
-    "placebo-a2": ("verifier-think", "progress"), "shuffled-a2": ("verifier-think", "progress"),
-    "recommended-a1": ("verifier-think", "progress"),
-    "placebo-a4": ("verifier-think", "progress"), "shuffled-a4": ("verifier-think", "progress"),
-    "placebo-a8": ("verifier-think", "progress"), "shuffled-a8": ("verifier-think", "progress"),
+    "vps": Arm("outcome + answer-belief value differences (GRPO-VPS)", "tab:green", "belief",
+               "value-delta"),
+    # controls: what the recommended arm's gain is made of; the format reward paid whatever the
+    # answer (weight 0.5 as outcome's, and 1.0)
+    "outcome-format-any": Arm("control: outcome, format reward 0.5 whatever the answer",
+                              "lightblue", config={"format_reward_conditional": False}),
+    "outcome-format-any-w1": Arm("control: outcome, format reward 1.0 whatever the answer",
+                                 "steelblue", config={"format_reward_conditional": False,
+                                                      "format_reward_weight": 1.0}),
+    "format-progress": Arm("control: outcome + progress of the think format alone", "tab:olive",
+                           "format", "progress", _recommended(1.0)),
+    # the recommended credit with its placement among the steps removed
+    "placebo": Arm("control: recommended's credit spread evenly over each completion",
+                   "tab:pink", *THINK, _recommended(RECOMMENDED_ALPHA, **FLAT)),
+    "shuffled": Arm("control: recommended's credit shuffled among each completion's steps",
+                    "tab:brown", *THINK, _recommended(RECOMMENDED_ALPHA, **SHUFFLED)),
+    # tiny-arith's choice: recommended as first measured there (alpha 1), and its controls
+    **_alpha_arms("-tiny-arith", 1.0, "black", "tab:pink", "tab:brown", "1 (tiny-arith)"),
 }
-# Per-arm GRPOConfig values that differ from the shared flags. The recommended arm drops the
-# groups whose token advantages are all zero (equal outcomes and equal verified steps): they
-# carry no signal, and training on them doubled the update's cost.
-RECOMMENDED = {"process_alpha": 1.0, "skip_zero_advantage": True}
-ARM_CONFIG = {"recommended": RECOMMENDED,
-              "recommended-a05": {**RECOMMENDED, "process_alpha": 0.5},
-              "recommended-a2": {**RECOMMENDED, "process_alpha": 2.0},
-              "recommended-a4": {**RECOMMENDED, "process_alpha": 4.0},
-              "recommended-a8": {**RECOMMENDED, "process_alpha": 8.0},
-              # zero-signal groups kept, as every other form keeps them
-              "recommended-a2-keep": {"process_alpha": 2.0},
-              "recommended-a4-keep": {"process_alpha": 4.0},
-              "vine-k2": {"mc_rollouts": 2},
-              # the format reward paid whatever the answer (weight 0.5 as outcome's, and 1.0)
-              "outcome-format-any": {"format_reward_conditional": False},
-              "outcome-format-any-w1": {"format_reward_conditional": False,
-                                        "format_reward_weight": 1.0},
-              "format-progress": RECOMMENDED,
-              # the recommended credit with its placement among the steps removed
-              "placebo": {**RECOMMENDED, "process_credit_control": "flat"},
-              "shuffled": {**RECOMMENDED, "process_credit_control": "shuffled"},
-              "placebo-a2": {**RECOMMENDED, "process_alpha": 2.0, "process_credit_control": "flat"},
-              "shuffled-a2": {**RECOMMENDED, "process_alpha": 2.0,
-                              "process_credit_control": "shuffled"},
-              "recommended-a1": RECOMMENDED,
-              "placebo-a4": {**RECOMMENDED, "process_alpha": 4.0, "process_credit_control": "flat"},
-              "shuffled-a4": {**RECOMMENDED, "process_alpha": 4.0,
-                              "process_credit_control": "shuffled"},
-              "placebo-a8": {**RECOMMENDED, "process_alpha": 8.0, "process_credit_control": "flat"},
-              "shuffled-a8": {**RECOMMENDED, "process_alpha": 8.0,
-                              "process_credit_control": "shuffled"}}
 DEFAULT_ARMS = "outcome,verifier,mc,prm,verifier+outcome"
-LABELS = {
-    "outcome": "outcome", "verifier": "process (verifier)", "mc": "process (MC)",
-    "prm": "process (learned PRM)", "verifier+outcome": "process (verifier) + outcome",
-    "mc+outcome": "process (MC) + outcome",
-    "first-error": "outcome + first-error penalty (verifier)",
-    "progress": "outcome + progress (verifier)",
-    "progress-think": "outcome + progress (verifier, think-format steps only)",
-    "first-error-think": "outcome + first-error penalty (verifier, think-format steps only)",
-    "prm-clip": "outcome + clip form (PRM)", "prm-delta": "outcome + delta form (PRM)",
-    "prm-pure": "PURE min form (PRM)", "prm-progress": "outcome + progress (PRM)",
-    "mc-delta": "outcome + MC value differences",
-    "vine": "outcome + MC value differences (group + branched caches, k = 4)",
-    "vine-k2": "outcome + MC value differences (group + branched caches, k = 2)",
-    "online-prm": "outcome + progress (online PRM, verifier labels)",
-    "online-prm-outcome": "outcome + progress (online PRM, outcome labels)",
-    "recommended": "recommended: outcome + progress (verifier-think, skip zero-signal groups)",
-    "recommended-a05": "recommended, step credit x 0.5",
-    "recommended-a2": "recommended, step credit x 2",
-    "recommended-a4": "recommended, step credit x 4",
-    "recommended-a8": "recommended, step credit x 8",
-    "recommended-a2-keep": "recommended, step credit x 2, zero-signal groups kept",
-    "recommended-a4-keep": "recommended, step credit x 4, zero-signal groups kept",
-    "pure": "PURE min form (verifier)",
-    "vps": "outcome + answer-belief value differences (GRPO-VPS)",
-    "outcome-format-any": "control: outcome, format reward 0.5 whatever the answer",
-    "outcome-format-any-w1": "control: outcome, format reward 1.0 whatever the answer",
-    "format-progress": "control: outcome + progress of the think format alone",
-    "placebo": "control: recommended's credit spread evenly over each completion",
-    "shuffled": "control: recommended's credit shuffled among each completion's steps",
-    "placebo-a2": "control: recommended x 2's credit spread evenly over each completion",
-    "shuffled-a2": "control: recommended x 2's credit shuffled among each completion's steps",
-    "recommended-a1": "recommended, step credit x 1",
-    "placebo-a4": "control: recommended x 4's credit spread evenly over each completion",
-    "shuffled-a4": "control: recommended x 4's credit shuffled among each completion's steps",
-    "placebo-a8": "control: recommended x 8's credit spread evenly over each completion",
-    "shuffled-a8": "control: recommended x 8's credit shuffled among each completion's steps",
-}
-COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm": "tab:orange",
-          "verifier+outcome": "tab:olive", "mc+outcome": "tab:purple",
-          "first-error": "tab:gray", "progress": "tab:cyan", "progress-think": "teal",
-          "first-error-think": "dimgray",
-          "prm-clip": "tab:pink",
-          "prm-delta": "tab:brown", "prm-pure": "gold", "prm-progress": "darkorange",
-          "mc-delta": "darkred", "vine": "firebrick", "vine-k2": "salmon",
-          "online-prm": "tab:purple", "online-prm-outcome": "indigo",
-          "recommended": "black", "recommended-a05": "dimgrey", "recommended-a2": "darkviolet",
-          "recommended-a4": "mediumorchid", "recommended-a8": "plum",
-          "recommended-a2-keep": "slateblue", "recommended-a4-keep": "royalblue",
-          "pure": "gold", "vps": "tab:green", "outcome-format-any": "lightblue",
-          "outcome-format-any-w1": "steelblue", "format-progress": "tab:olive",
-          "placebo": "tab:pink", "shuffled": "tab:brown", "placebo-a2": "hotpink",
-          "shuffled-a2": "peru",
-          "recommended-a1": "black", "placebo-a4": "hotpink", "shuffled-a4": "peru",
-          "placebo-a8": "hotpink", "shuffled-a8": "peru"}
+LABELS = {name: arm.label for name, arm in ARMS.items()}  # the level table's row names
 # The paired bootstrap of the intervals (`stats.paired_bootstrap`): resamples, RNG seed, level.
 BOOTSTRAP = {"n_boot": 2000, "seed": 0, "level": 0.95}
 
 
 def placebo_of(arm: str) -> str | None:
-    """The placebo control of a `recommended*` arm (its credit spread evenly over each
-    completion's tokens): "placebo" + the same suffix, if that arm exists."""
-    if not arm.startswith("recommended"):
-        return None
-    name = "placebo" + arm[len("recommended"):]
-    return name if name in ARMS else None
+    """The placebo control of an arm (its credit spread evenly over each completion's
+    tokens), or None."""
+    return ARMS[arm].placebo
 
 
 # Held-out figures of every evaluated checkpoint (keys of evaluate()'s summary; may be None).
@@ -290,7 +277,7 @@ class ExperimentSettings:
 
 def _run_config(arm, seed, values, args, prm_path, run_dir):
     """The GRPOConfig of one run: the shared values plus the arm's supervision."""
-    spec, variant = ARMS[arm]
+    spec, variant = ARMS[arm].scorer, ARMS[arm].variant
     d = {**values, "seed": seed, "output_dir": str(run_dir), "eval_every": 0,
          "checkpoint_every": max(1, values["steps"] // args.eval_points),
          "keep_checkpoints": 0}  # every evaluation point's checkpoint is evaluated afterwards
@@ -301,13 +288,13 @@ def _run_config(arm, seed, values, args, prm_path, run_dir):
                  step_scorer=f"{spec}:{prm_path}" if _uses_prm(arm) else spec,
                  process_variant=variant or values["process_variant"],
                  skip_zero_advantage=args.process_skip_zero_advantage)
-    d.update(ARM_CONFIG.get(arm, {}))
+    d.update(ARMS[arm].config)
     return GRPOConfig.from_dict(d)
 
 
 def _uses_prm(arm):
     """Whether an arm's step scorer is the learned PRM (static or online)."""
-    spec = ARMS[arm][0]
+    spec = ARMS[arm].scorer
     return spec is not None and (spec == "prm" or spec.startswith("online-prm"))
 
 
@@ -636,7 +623,7 @@ def summarise(curves, base):
     rows = []
     for arm, runs in curves.items():
         last = finals[arm]
-        row = {"arm": arm, "label": LABELS[arm], "seeds": list(runs),
+        row = {"arm": arm, "label": ARMS[arm].label, "seeds": list(runs),
                **{f"final_{k}": stat([p[k] for p in last]) for k in METRICS},
                "tokens": stat([p["tokens"] for p in last]),
                "forward_tokens": stat([p.get("forward_tokens") for p in last]),
@@ -847,9 +834,9 @@ def plot_process_vs_outcome(curves, base, path, token_budget=None, seconds_budge
                 lo = [m[i] - s[i] for i in keep]
                 hi = [m[i] + s[i] for i in keep]
                 ax = axes[row, col]
-                ax.plot(xk, [m[i] for i in keep], marker="o", ms=3, color=COLORS.get(arm),
-                        label=LABELS[arm])
-                ax.fill_between(xk, lo, hi, color=COLORS.get(arm), alpha=0.15, linewidth=0)
+                ax.plot(xk, [m[i] for i in keep], marker="o", ms=3, color=ARMS[arm].color,
+                        label=ARMS[arm].label)
+                ax.fill_between(xk, lo, hi, color=ARMS[arm].color, alpha=0.15, linewidth=0)
     budgets = {1: (token_budget / 1000 if token_budget else None, " outcome's tokens"),
                2: (seconds_budget, " outcome's seconds")}
     for row, name in ((0, "held-out strict accuracy"), (1, "held-out step correctness")):
