@@ -169,7 +169,7 @@ class AnswerBeliefStepScorer(StepScorer):
     as VinePPO's last step. Use it with the `value-delta` form: a step's credit is how much it
     raised the belief. Rows of all completions go through one right-padded no-grad forward
     (causal attention, so the padding after a row never reaches it). Every token of those rows
-    counts as a scorer token.
+    counts as a forward token (read, not sampled: `cost()["forward_tokens"]`).
     """
 
     name = "belief"
@@ -181,7 +181,7 @@ class AnswerBeliefStepScorer(StepScorer):
         self.tokens = 0
 
     def cost(self):
-        return {"scorer_tokens": float(self.tokens)}
+        return {"forward_tokens": float(self.tokens)}
 
     def _rows(self, prompt, steps_per_completion, answer):
         """(ids, answer length) of every (completion, step prefix) to probe, and their keys."""
@@ -331,13 +331,16 @@ class MonteCarloStepScorer(StepScorer):
         self.batch_size, self.generator, self.reward_fn = batch_size, generator, reward_fn
         self.device, self.branch = device, branch
         self.generated_tokens = 0
-        self.prefill_tokens = 0  # branch mode: tokens run to build the shared prefixes
+        self.prefill_tokens = 0  # tokens prefilled: the prefixes (re-read, or branch mode's)
         self.rollouts = 0
         self.reused = 0  # branch mode: group completions counted as samples of a prefix value
         self.seconds = 0.0
 
     def cost(self):
+        """Sampled tokens (`mc_generated_tokens`), the prefixes' prefill (`forward_tokens`; in
+        branch mode also `mc_prefill_tokens`), continuations, seconds."""
         cost = {"mc_generated_tokens": float(self.generated_tokens),
+                "forward_tokens": float(self.prefill_tokens),
                 "mc_rollouts": float(self.rollouts), "mc_seconds": self.seconds}
         if self.branch:
             cost.update(mc_prefill_tokens=float(self.prefill_tokens),
@@ -350,6 +353,7 @@ class MonteCarloStepScorer(StepScorer):
             self.model, self.tokenizer, texts, self.k, self.max_new_tokens, self.temperature,
             self.top_p, self.generator, self.batch_size, self.device)
         self.generated_tokens += n_tokens
+        self.prefill_tokens += sum(len(self.tokenizer.encode(t)) for t in texts)  # once each
         self.rollouts += len(texts) * self.k
         return conts
 

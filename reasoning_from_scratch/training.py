@@ -151,9 +151,10 @@ METRIC_COLUMNS = [
     "eval_accuracy", "eval_format_rate", "eval_think_accuracy",
     "eval_step_correctness",
 ]
-# Step-scorer cost keys (`scorer.cost()`) of tokens sampled and of tokens only read: the
-# decode_tokens and forward_tokens columns count every arm in the same two units.
-DECODE_COST_KEYS = ("mc_generated_tokens", "scorer_tokens")
+# Step-scorer cost keys (`scorer.cost()`) of tokens sampled and of tokens only read (prefills,
+# probes, a reward model's reads and training forwards): the decode_tokens and forward_tokens
+# columns count every arm in the same two units.
+DECODE_COST_KEYS = ("mc_generated_tokens",)
 FORWARD_COST_KEYS = ("forward_tokens",)
 # Columns that measure time: they differ between two otherwise identical runs.
 TIMING_COLUMNS = ("tokens_per_s", "rollout_s", "update_s", "step_time")

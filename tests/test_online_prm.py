@@ -65,7 +65,7 @@ def test_online_prm_scores_then_updates_on_verifier_labels(prm_and_tokenizer):
     assert labeler.calls == [("P", group, [[1.0] * 4, [1.0, 0.0, 0.0, 0.0], []])]
     cost = scorer.cost()
     read = sum(len(encode_steps(tokenizer, "P", s)[0]) for s in group[:2])
-    assert cost["scorer_tokens"] == 2 * read  # read once to score, once to train
+    assert cost["forward_tokens"] == 2 * read  # read once to score, once to train
     assert cost["prm_updates"] == 1 and 0.0 <= cost["prm_agreement"] <= 1.0
 
 

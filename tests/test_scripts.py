@@ -179,8 +179,9 @@ def test_ch08_control_arms_run_with_their_settings(tmp_path):
         "format", "belief")
     assert settings("vps")["process_variant"] == "value-delta"
     rows = {r["arm"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
-    assert rows["vps"]["scorer_tokens"]["mean"] > 0  # the belief probes are counted
-    assert rows["placebo"]["scorer_tokens"]["mean"] == 0
+    # the belief probes are read, not sampled: forward tokens, not the scorer's decode tokens
+    assert rows["vps"]["scorer_tokens"]["mean"] == rows["placebo"]["scorer_tokens"]["mean"] == 0
+    assert rows["vps"]["forward_tokens"]["mean"] > 0
 
 
 def test_ch07_compare_tiny_run(tmp_path):

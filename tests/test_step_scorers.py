@@ -125,6 +125,10 @@ def test_mc_real_model_batched_and_costed(tokenizer):
     # 5 distinct non-final prefixes x 3 continuations; at most 4 new tokens each.
     assert cost["mc_rollouts"] == 15
     assert 15 <= cost["mc_generated_tokens"] <= 60
+    # each distinct prefix (prompt + steps so far) is prefilled once: forward tokens
+    prompt = render_prompt(EXAMPLE["problem"])
+    prefixes = {prompt + "".join(s[:j + 1]) for s in groups for j in range(len(s) - 1)}
+    assert cost["forward_tokens"] == sum(len(tokenizer.encode(p)) for p in prefixes)
     assert not model.training
 
 
@@ -351,6 +355,7 @@ def test_mc_branch_on_a_real_model_costs_less_than_the_text_scorer(tokenizer):
     assert text["mc_rollouts"] == 15 and branch["mc_rollouts"] == 4
     assert branch["mc_generated_tokens"] < text["mc_generated_tokens"]
     assert branch["mc_prefill_tokens"] > 0 and "mc_prefill_tokens" not in text
+    assert branch["forward_tokens"] == branch["mc_prefill_tokens"]  # counted as forward
     assert not model.training
 
 
@@ -388,7 +393,7 @@ def test_answer_belief_by_hand_on_a_tiny_model(tokenizer):
     assert values[1][1] == pytest.approx(float(want), abs=1e-5)
     assert all(0.0 < v < 1.0 for v in values[0][:-1] + values[1][:-1])
     # every token of the probed rows is counted: (len(good) - 1) + (len(bad) - 1) rows
-    assert scorer.cost()["scorer_tokens"] > (len(good) + len(bad) - 2) * len(ids) * 0.5
+    assert scorer.cost()["forward_tokens"] > (len(good) + len(bad) - 2) * len(ids) * 0.5
     assert isinstance(build_step_scorer("belief", model, tokenizer), AnswerBeliefStepScorer)
     with pytest.raises(ValueError, match="needs the policy model"):
         build_step_scorer("belief")

@@ -260,11 +260,11 @@ def test_ch07_script_runs_the_outcome_anchored_forms(tmp_path, scorer, variant):
     config = json.loads((out / "config.json").read_text())
     assert (config["step_scorer"], config["process_variant"], config["process_alpha"]) == (
         scorer, variant, 0.5)
-    scorer_tokens = read_metrics(out / "metrics.csv")[0]["scorer_tokens"]
-    if scorer in ("mc-branch", "belief"):  # continuations, belief probes
-        assert scorer_tokens > 0
-    else:  # the verifier and the format check read nothing
-        assert scorer_tokens == 0
+    row = read_metrics(out / "metrics.csv")[0]
+    # sampled by the scorer: Monte-Carlo continuations only
+    assert (row["scorer_tokens"] > 0) == (scorer == "mc-branch")
+    assert row["decode_tokens"] == row["gen_tokens"] + row["scorer_tokens"]
+    assert row["forward_tokens"] > 0  # rollout prompts and the update, for every arm
 
 
 def test_compute_grpo_loss_process_gives_token_advantages():
