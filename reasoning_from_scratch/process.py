@@ -367,6 +367,7 @@ def process_advantages(
     eta: float = 0.5,
     control: str = "none",
     generator: random.Random | None = None,
+    prompt_value: float | None = None,
 ) -> torch.Tensor:
     """Token-level process advantages `(G, max(completion_lengths))` for one group of rollouts.
 
@@ -399,14 +400,15 @@ def process_advantages(
       is needed (GRPO-VPS, arXiv 2604.20659; VPPO, arXiv 2601.18984); only `"pure"` runs without
       it (`outcome_advantages=None`: PURE gives verifiable rewards to a share of prompts only).
       `control` ("flat", "shuffled"; `generator` for the shuffle) replaces their credit by a
-      placebo of it first (`control_credit`).
+      placebo of it first (`control_credit`); `prompt_value` is value-delta's V(s_0) (a step
+      scorer's `last_prompt_value`; None: the group's mean outcome).
     """
     if variant not in VARIANTS:
         raise ValueError(f"process_advantages: unknown variant {variant!r}; expected {VARIANTS}")
     lengths = _validate(step_rewards, step_ends, completion_lengths)
     G, T = len(lengths), max(lengths)
     if variant in ANCHORED_VARIANTS:
-        credit = anchored_credit(step_rewards, variant, threshold, eta, eps=eps)
+        credit = anchored_credit(step_rewards, variant, threshold, eta, prompt_value, eps)
         credit = control_credit(credit, step_ends, control, generator)
         adv = _expand_steps(credit, step_ends, lengths, T) * alpha  # (G, T)
         if outcome_advantages is None and variant == "pure":

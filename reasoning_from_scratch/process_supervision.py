@@ -121,7 +121,8 @@ def process_token_advantages(
     adv = torch.zeros(G, T, dtype=torch.float32)  # (G, T)
     if max(lengths, default=0) > 0:
         a = process_advantages(rewards, ends, lengths, variant, outcome_advantages, eps, alpha,
-                               control=credit_control, generator=generator)
+                               control=credit_control, generator=generator,
+                               prompt_value=getattr(scorer, "last_prompt_value", None))
         adv[:, : a.shape[1]] = a
     stats = step_statistics(rewards, ends)
     stats.update(scorer.cost())

@@ -397,3 +397,34 @@ def test_answer_belief_by_hand_on_a_tiny_model(tokenizer):
     assert isinstance(build_step_scorer("belief", model, tokenizer), AnswerBeliefStepScorer)
     with pytest.raises(ValueError, match="needs the policy model"):
         build_step_scorer("belief")
+
+
+def test_belief_probes_from_the_rollouts_caches_equal_re_reading_them(tokenizer):
+    """The branched probes give the beliefs a full re-read of the same token ids gives, at
+    fewer forward tokens; the empty prefix gives V(s_0) on the same scale."""
+    from reasoning_from_scratch.process import completion_steps
+    from reasoning_from_scratch.step_scorers import AnswerBeliefStepScorer
+
+    torch.manual_seed(0)
+    model = Qwen3Model(tiny_config(vocab_size=tokenizer.vocab_size)).eval()
+    ro = _rollouts(tokenizer, [GOOD, BAD, " \\boxed{118}"])
+    steps, ends = zip(*[completion_steps(tokenizer, ro.completion_ids[g], int(ro.lengths[g]),
+                                         ro.texts[g], False) for g in range(3)])
+    scorer = AnswerBeliefStepScorer(model, tokenizer, batch_rows=3)  # probes in three batches
+    values = scorer.score_rollouts("", ro, steps, ends, EXAMPLE)
+    branched = scorer.cost()["forward_tokens"]
+    answer_ids = tokenizer.encode("118")
+    probes = scorer.probes(ro, steps, ends, answer_ids)
+    assert len(probes) == 1 + sum(len(e) - 1 for e in ends)  # V(s_0) + non-final steps
+    reread = AnswerBeliefStepScorer(model, tokenizer)
+    want = reread.beliefs([(ro.full_ids(g).tolist()[:cut] + tail, len(answer_ids))
+                           for g, cut, tail in probes])
+    assert scorer.last_prompt_value == pytest.approx(want[0], abs=1e-5)
+    got = [v for row in values for v in row[:-1]]
+    assert got == [pytest.approx(w, abs=1e-5) for w in want[1:]]
+    assert [row[-1] for row in values] == [1.0, 0.0, 1.0]  # last steps: the outcome
+    assert branched < reread.cost()["forward_tokens"]  # each completion read once, not K times
+    # value-delta's first credit starts from the probed V(s_0), not the group's mean outcome
+    adv, _ = process_token_advantages(ro, EXAMPLE, tokenizer, scorer, variant="value-delta",
+                                      outcome_advantages=torch.zeros(3))
+    assert adv[0, 0].item() == pytest.approx(values[0][0] - scorer.last_prompt_value, abs=1e-5)
