@@ -13,8 +13,9 @@ Examples:
     python chapters/ch08_process_vs_outcome.py --seeds 0 --steps 10 --arms outcome,verifier
     python chapters/ch08_process_vs_outcome.py --arms outcome,prm --prm runs/prm-<timestamp>
     python chapters/ch08_process_vs_outcome.py --report-only       # table and figure again
-    # where the format cannot decide: the think-native base model, 16 runs at once
-    python chapters/ch08_process_vs_outcome.py --model tiny-arith-think \
+    # where the format cannot decide: the think-native base model, 16 runs at once, reported
+    # on the test split (the default, val, is for choosing among arms)
+    python chapters/ch08_process_vs_outcome.py --model tiny-arith-think --eval-split test \
         --arms outcome,recommended-a2,placebo-a2 --seeds 3,4,5 --steps 60 --prompts-per-step 8 \
         --eval-points 12 --jobs 16
 
