@@ -13,8 +13,9 @@ Examples:
     python chapters/ch08_process_vs_outcome.py --seeds 0 --steps 10 --arms outcome,verifier
     python chapters/ch08_process_vs_outcome.py --arms outcome,prm --prm runs/prm-<timestamp>
     python chapters/ch08_process_vs_outcome.py --report-only       # table and figure again
-    # where the format cannot decide: the think-native base model, 16 runs at once
-    python chapters/ch08_process_vs_outcome.py --model tiny-arith-think \
+    # where the format cannot decide: the think-native base model, 16 runs at once, reported
+    # on the test split (the default, val, is for choosing among arms)
+    python chapters/ch08_process_vs_outcome.py --model tiny-arith-think --eval-split test \
         --arms outcome,recommended-a2,placebo-a2 --seeds 3,4,5 --steps 60 --prompts-per-step 8 \
         --eval-points 12 --jobs 16
 
@@ -50,6 +51,8 @@ from reasoning_from_scratch.validation import (
     seed_list,
 )
 
+# Every problem of the held-out split (val and test have 500 each), for intervals over problems.
+EVAL_EXAMPLES = 500
 # Why torchrun is refused (each of its processes would run every arm and write the same files).
 ONE_PROCESS_ONLY = ("it trains many small runs (arms x seeds), one after another, into shared "
                     "result files; for more cores start one experiment per --seeds value with "
@@ -70,11 +73,12 @@ def build_parser():
     p.add_argument("--eval-points", type=positive_int, default=4,
                    help="evaluate a checkpoint every steps // eval-points steps and at --steps "
                         "(about this many per run), besides the base model at step 0")
-    add_data_arguments(p)
+    add_data_arguments(p, eval_split="val")  # choose on val; report on test
     p.add_argument("--process-skip-zero-advantage", default=False,
                    action=argparse.BooleanOptionalAction,
-                   help="skip groups with equal outcome rewards in the process arms too (they "
-                        "can still differ step by step, so the default keeps them)")
+                   help="in the process arms, drop the groups whose token advantages are all "
+                        "exactly zero (equal outcomes and no step credit); a group with equal "
+                        "outcomes whose steps differ is kept either way (default: keep all)")
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="runs trained at once, each in its own process with one CPU thread "
                         "(on N cores: --jobs N); then the table as usual")
@@ -108,10 +112,12 @@ def build_parser():
                            "+outcome arms always use process+outcome)",
         "mc_rollouts": "Monte-Carlo continuations per step prefix (arms mc, mc+outcome; and the "
                        "PRM's labels with --prm-labels mc)",
+        "eval_examples": "held-out problems evaluated at every checkpoint (default: all "
+                         "500 of the val or test split, for intervals over problems)",
         **{name: f"not used here: {why}" for name, why in PER_RUN.items()},
     }
     g = p.add_argument_group("GRPO settings shared by every arm (GRPOConfig)")
-    add_config_arguments(g, GRPOConfig(), helps)
+    add_config_arguments(g, GRPOConfig(eval_examples=EVAL_EXAMPLES), helps)
     return p
 
 

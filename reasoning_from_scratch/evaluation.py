@@ -240,17 +240,37 @@ def evaluate(
     return summary
 
 
+def problem_outcomes(records) -> dict[str, list[int]]:
+    """Per-problem results, in the records' order, for intervals that resample problems:
+    `correct` (0/1) and, over think-format answers of arithmetic problems, `steps_good` and
+    `steps_total` (verifier-correct and all steps, a missing step counted as wrong; 0 and 0
+    for the other answers), so a resample's step correctness is sum(good) / sum(total)."""
+    out = {"correct": [], "steps_good": [], "steps_total": []}
+    for r in records:
+        verdicts = (step_verdicts(r["problem"], r["generated_text"])
+                    if has_think_format(r["generated_text"]) else None) or []
+        out["correct"].append(int(bool(r["correct"])))
+        out["steps_good"].append(int(sum(verdicts)))
+        out["steps_total"].append(len(verdicts))
+    return out
+
+
 def evaluate_policy(model, tokenizer, examples, device, max_new_tokens: int,
-                    batch_size: int = 50, prompt_fn=render_prompt) -> dict:
+                    batch_size: int = 50, prompt_fn=render_prompt,
+                    per_problem: bool = False) -> dict:
     """Greedy held-out figures (`EVAL_FIGURES`) and accuracy per level, as a training run logs
-    them (GRPO, distillation).
+    them (GRPO, distillation); with `per_problem`, also `problem_outcomes` under "per_problem".
 
     Data-parallel runs: every process answers a contiguous share of `examples` and the answers
     are gathered (in the examples' order) before the figures are computed, on every process.
     """
     res = evaluate(model, tokenizer, shard(examples), device, max_new_tokens=max_new_tokens,
                    batch_size=batch_size, prompt_fn=prompt_fn, progress=False)
-    figures = summarize(gather_lists(res["records"]), res["generation_s"])
+    records = gather_lists(res["records"])
+    figures = summarize(records, res["generation_s"])
     # str keys: the same dict before and after a JSON round trip (checkpoints, summary.json)
-    return {**{k: figures[k] for k in EVAL_FIGURES},
-            "per_level": {str(k): v for k, v in figures["per_level"].items()}}
+    out = {**{k: figures[k] for k in EVAL_FIGURES},
+           "per_level": {str(k): v for k, v in figures["per_level"].items()}}
+    if per_problem:
+        out["per_problem"] = problem_outcomes(records)
+    return out

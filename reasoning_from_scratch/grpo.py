@@ -596,8 +596,11 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
 
     reward_fn(text, token_ids, prompt_len, example) -> (total, components) (a `CompositeReward`).
     skip_zero_advantage drops groups whose rewards are all equal (zero advantage: no policy
-    gradient, only compute). mask_truncated removes completions that hit max_new_tokens without
-    EOS from the loss (DAPO section 3.4 overlong filtering).
+    gradient, only compute); with an advantage_fn it keeps them for the hook and drops, after
+    it, the groups whose token advantages are all exactly zero (equal outcomes and no step
+    credit: an equal-outcome group whose steps differ is kept). mask_truncated removes
+    completions that hit max_new_tokens without EOS from the loss (DAPO section 3.4 overlong
+    filtering).
     advantage_fn (process supervision hook): called as advantage_fn(groups, advantages,
     completion_mask) with groups = [(example, Rollouts, [(reward, components), ...G]), ...] for
     the kept groups, advantages (N_kept, G) the outcome advantages, completion_mask (B, Tc) the
@@ -650,7 +653,7 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
                 "problem": example["problem"], "answer": example["answer"],
                 "text": ro.texts[g], "reward": scored[g][0], **scored[g][1],
                 "advantage": advantages[i, g].item(), "length": int(ro.lengths[g]),
-                "truncated": bool(ro.truncated[g]),
+                "prompt_tokens": ro.prompt_len, "truncated": bool(ro.truncated[g]),
             })
     num_tokens = int(sum(int(ro.lengths.sum()) for _, ro, _ in groups))
 

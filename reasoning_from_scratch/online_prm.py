@@ -14,8 +14,9 @@ cannot be gamed: the outcome verifier's. `OnlinePRMStepScorer` does that with th
 
 The scores are always predictions on rollouts the PRM has not been trained on. Its cost is
 counted: `cost()` reports the tokens the PRM read (scoring and training forward passes) as
-`scorer_tokens`, its seconds, updates, and its agreement with the labels before each update (a
-falling agreement is the sign that the policy has found the PRM's blind spots).
+`forward_tokens` (read, not sampled), its seconds, updates, and its agreement with the labels
+before each update (a falling agreement is the sign that the policy has found the PRM's blind
+spots).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from .grading import reward_rlvr
-from .prm import ProcessRewardModel, encode_steps, prm_loss, score_steps_batch
+from .prm import ProcessRewardModel, prm_loss, read_tokens, score_steps_batch
 from .step_scorers import StepScorer, VerifierStepScorer
 
 
@@ -70,14 +71,9 @@ class OnlinePRMStepScorer(StepScorer):
 
     def cost(self):
         agreement = self.agree / self.labelled if self.labelled else float("nan")
-        return {"scorer_tokens": float(self.tokens), "prm_seconds": self.seconds,
+        return {"forward_tokens": float(self.tokens), "prm_seconds": self.seconds,
                 "prm_updates": float(self.num_updates), "prm_agreement": agreement,
                 "prm_loss": self.last_loss}
-
-    def _read_tokens(self, prompt: str, steps_per_completion) -> int:
-        """Tokens of one pass of the PRM over the group (prompt + steps, per completion)."""
-        return sum(len(encode_steps(self.tokenizer, prompt, list(s))[0])
-                   for s in steps_per_completion if s)
 
     def update(self, prompt: str, steps_per_completion: Sequence[Sequence[str]],
                labels: Sequence[Sequence[float]]) -> float:
@@ -122,7 +118,8 @@ class OnlinePRMStepScorer(StepScorer):
             self.labelled += len(lb)
         self.last_loss = self.update(prompt, steps_per_completion, labels)
         # read once to score, once per update to train
-        self.tokens += self._read_tokens(prompt, steps_per_completion) * (1 + self.updates)
+        self.tokens += read_tokens(self.tokenizer, prompt, steps_per_completion) * (
+            1 + self.updates)
         self.seconds += time.perf_counter() - t0
         return scores
 

@@ -164,15 +164,27 @@ def score_steps_batch(prm: ProcessRewardModel, tokenizer, items, batch_size: int
 # ----------------------------------------------------------------------------------------------
 
 
+def read_tokens(tokenizer, prompt: str, steps_per_completion) -> int:
+    """Tokens of one pass of a PRM over a group (prompt + steps, per completion with steps)."""
+    return sum(len(encode_steps(tokenizer, prompt, list(s))[0])
+               for s in steps_per_completion if s)
+
+
 class PRMStepScorer(StepScorer):
-    """Rewards from a trained `ProcessRewardModel`: P(step correct) in [0, 1] per step."""
+    """Rewards from a trained `ProcessRewardModel`: P(step correct) in [0, 1] per step; the
+    tokens it reads are counted (`cost()["forward_tokens"]`)."""
 
     name = "prm"
 
     def __init__(self, prm, tokenizer, batch_size: int = 32):
         self.prm, self.tokenizer, self.batch_size = prm, tokenizer, batch_size
+        self.tokens = 0
+
+    def cost(self):
+        return {"forward_tokens": float(self.tokens)}
 
     def score_group(self, prompt, steps_per_completion, example):
+        self.tokens += read_tokens(self.tokenizer, prompt, steps_per_completion)
         return score_steps_batch(self.prm, self.tokenizer,
                                  [(prompt, list(s)) for s in steps_per_completion],
                                  batch_size=self.batch_size)

@@ -367,6 +367,7 @@ def process_advantages(
     eta: float = 0.5,
     control: str = "none",
     generator: random.Random | None = None,
+    prompt_value: float | None = None,
 ) -> torch.Tensor:
     """Token-level process advantages `(G, max(completion_lengths))` for one group of rollouts.
 
@@ -399,14 +400,15 @@ def process_advantages(
       is needed (GRPO-VPS, arXiv 2604.20659; VPPO, arXiv 2601.18984); only `"pure"` runs without
       it (`outcome_advantages=None`: PURE gives verifiable rewards to a share of prompts only).
       `control` ("flat", "shuffled"; `generator` for the shuffle) replaces their credit by a
-      placebo of it first (`control_credit`).
+      placebo of it first (`control_credit`); `prompt_value` is value-delta's V(s_0) (a step
+      scorer's `last_prompt_value`; None: the group's mean outcome).
     """
     if variant not in VARIANTS:
         raise ValueError(f"process_advantages: unknown variant {variant!r}; expected {VARIANTS}")
     lengths = _validate(step_rewards, step_ends, completion_lengths)
     G, T = len(lengths), max(lengths)
     if variant in ANCHORED_VARIANTS:
-        credit = anchored_credit(step_rewards, variant, threshold, eta, eps=eps)
+        credit = anchored_credit(step_rewards, variant, threshold, eta, prompt_value, eps)
         credit = control_credit(credit, step_ends, control, generator)
         adv = _expand_steps(credit, step_ends, lengths, T) * alpha  # (G, T)
         if outcome_advantages is None and variant == "pure":
@@ -445,8 +447,11 @@ def control_credit(credit, step_ends, control: str = "none",
     - `"flat"`: every step of a completion gets the token-weighted mean of its credits, so each
       token carries `sum_k credit_k * n_k / sum_k n_k` (n_k: tokens of step k): the completion's
       total credit over its tokens is unchanged, its distribution among the steps is gone.
-    - `"shuffled"`: the credits permuted among the completion's own steps (each step keeps its
-      tokens), with `generator` (a `random.Random`; a fresh unseeded one if None).
+    - `"shuffled"`: each step's credit *mass* (credit x tokens) moved to another of the
+      completion's own steps by a random permutation and spread over that step's tokens: step k
+      gets `credit_{p(k)} * n_{p(k)} / n_k`. Each completion keeps its token-weighted total (the
+      amount), only the placement changes. With `generator` (a `random.Random`; a fresh unseeded
+      one if None).
     """
     if control not in CREDIT_CONTROLS:
         raise ValueError(f"control_credit: unknown control {control!r}; expected "
@@ -456,10 +461,11 @@ def control_credit(credit, step_ends, control: str = "none",
     if control == "shuffled":
         rng = generator if generator is not None else random.Random()
         out = []
-        for cr in credit:
-            cr = list(cr)
-            rng.shuffle(cr)
-            out.append(cr)
+        for cr, es in zip(credit, step_ends):
+            sizes = step_sizes(es)
+            perm = list(range(len(cr)))
+            rng.shuffle(perm)
+            out.append([float(cr[j]) * sizes[j] / sizes[k] for k, j in enumerate(perm)])
         return out
     out = []
     for cr, es in zip(credit, step_ends):
@@ -544,9 +550,12 @@ def _progress_credit(step_rewards, threshold, eps):
 
     Step k of completion i, while its prefix is correct: `c_{i,k} + c_{i,k} V_k - V_{k-1}`
     (reward 1 for a correct step, plus the value of the state it reaches, minus the value of the
-    state it starts from); 0 after the first wrong step. Divided by the group's (unbiased) std of
-    the completions' correct-step counts `M_i`, so the credits of a completion sum to
-    `(M_i - mean M) / (std M + eps)`: a group-normalised progress score, placed on the steps
+    state it starts from); 0 after the first wrong step. The state after a completion's last
+    step K_i is its own end, with nothing to come: its value is 0, not the group's `V_{K_i}`
+    (which counts the steps *other*, longer completions still had to write). Divided by the
+    group's (unbiased) std of the completions' correct-step counts `M_i`, so the credits of a
+    completion telescope to `(M_i - V_0) / (std M + eps)` with `V_0 = mean M`:
+    `(M_i - mean M) / (std M + eps)`, a group-normalised progress score, placed on the steps
     where the completions part ways.
     """
     correct = prefix_correct(step_rewards, threshold)
@@ -559,7 +568,8 @@ def _progress_credit(step_rewards, threshold, eps):
     for c in correct:
         credit, on_path = [], True
         for k, ck in enumerate(c, start=1):
-            credit.append((ck + ck * values[k] - values[k - 1]) / scale if on_path else 0.0)
+            reached = values[k] if k < len(c) else 0.0  # after the last step: its own end
+            credit.append((ck + ck * reached - values[k - 1]) / scale if on_path else 0.0)
             on_path = on_path and ck > 0
         out.append(credit)
     return out

@@ -9,6 +9,7 @@ its scorer) < `online_prm.py` (the PRM re-fitted during RL) < this module.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 
@@ -120,11 +121,28 @@ def process_token_advantages(
     adv = torch.zeros(G, T, dtype=torch.float32)  # (G, T)
     if max(lengths, default=0) > 0:
         a = process_advantages(rewards, ends, lengths, variant, outcome_advantages, eps, alpha,
-                               control=credit_control, generator=generator)
+                               control=credit_control, generator=generator,
+                               prompt_value=getattr(scorer, "last_prompt_value", None))
         adv[:, : a.shape[1]] = a
     stats = step_statistics(rewards, ends)
     stats.update(scorer.cost())
     return adv, {"steps": steps, "step_rewards": rewards, "step_ends": ends, "stats": stats}
+
+
+def group_generator(seed: int, rollouts) -> random.Random:
+    """A `random.Random` for one group's placebo permutations, seeded by the run's `seed` and the
+    group's own tokens (prompt and each completion's real tokens, padding excluded).
+
+    The rollouts are themselves seeded by (seed, step, prompt index) (`training.rollout_seed`),
+    so the permutations are a function of (seed, step, prompt) as well: a resumed run, or the
+    same run on N processes, draws the same ones, whatever order the groups are scored in.
+    """
+    h = hashlib.sha256(str(seed).encode())
+    h.update(rollouts.prompt_ids.cpu().numpy().astype("int64").tobytes())
+    for g, n in enumerate(rollouts.lengths.tolist()):
+        h.update(b"|" + rollouts.completion_ids[g, : int(n)].cpu().numpy().astype("int64")
+                 .tobytes())
+    return random.Random(h.hexdigest())
 
 
 class ProcessAdvantageFn:
@@ -156,7 +174,7 @@ class ProcessAdvantageFn:
         self.variant, self.split_mode, self.pattern = variant, split_mode, pattern
         self.alpha, self.verifiable_share = float(alpha), float(verifiable_share)
         self.credit_control = credit_control
-        self.generator = random.Random(seed)  # the shuffled control's permutations
+        self.seed = seed  # of the shuffled control's permutations (`group_generator`)
         self.last_stats: dict[str, float] = {}
         self.last_infos: list[dict] = []
 
@@ -169,7 +187,9 @@ class ProcessAdvantageFn:
                 ro, example, self.tokenizer, self.step_scorer, variant=self.variant,
                 split_mode=self.split_mode, pattern=self.pattern,
                 outcome_advantages=self._outcome_of(n, outcome_advantages), alpha=self.alpha,
-                credit_control=self.credit_control, generator=self.generator,
+                credit_control=self.credit_control,
+                generator=group_generator(self.seed, ro) if self.credit_control == "shuffled"
+                else None,
             )
             T = min(adv.shape[1], Tc)
             padded = torch.zeros(adv.shape[0], Tc, dtype=torch.float32)

@@ -31,7 +31,13 @@ import torch
 
 from .arithmetic import parse_steps, verify_steps
 from .evaluation import has_think_format
-from .generation import branch_continuations, generate, stop_token_ids
+from .generation import (
+    branch_continuations,
+    gather_cache_rows,
+    generate,
+    prefill_rows,
+    stop_token_ids,
+)
 from .grading import reward_rlvr
 
 
@@ -39,6 +45,9 @@ class StepScorer:
     """Interface: one reward per step. Subclasses implement `score`; `score_group` may batch."""
 
     name = "step_scorer"
+    # V(s_0), the value of the prompt itself, of the last group scored, where the scorer
+    # measures it on its own scale (the value forms' start, `process.anchored_credit`)
+    last_prompt_value: float | None = None
 
     def score(self, prompt: str, steps: Sequence[str], example: dict) -> list[float]:
         """Rewards, one per entry of `steps`, for one completion of `prompt`."""
@@ -167,9 +176,17 @@ class AnswerBeliefStepScorer(StepScorer):
     prefix + answer_cue(prefix)))`, the geometric mean probability of the gold answer's tokens,
     in [0, 1]; the last step's value is the outcome (`reward_rlvr` of the completion, 1 or 0),
     as VinePPO's last step. Use it with the `value-delta` form: a step's credit is how much it
-    raised the belief. Rows of all completions go through one right-padded no-grad forward
-    (causal attention, so the padding after a row never reaches it). Every token of those rows
-    counts as a scorer token.
+    raised the belief.
+
+    Given the rollouts (`score_rollouts`, as training calls it), the probes branch from their
+    KV caches: each completion is prefilled once up to its last probed step, and each probe
+    reads only its cue and the answer from a copy of that cache cut at its step
+    (`generation.gather_cache_rows`), O(L) per completion instead of O(K L); the empty prefix
+    (the prompt alone) is probed too, so V(s_0) is a belief on the same scale as V(s_k)
+    (`last_prompt_value`). Given texts only (`score_group`), each probe re-reads prompt +
+    prefix + cue + answer in one right-padded no-grad forward (causal attention, so the
+    padding after a row never reaches it). Every token run counts as a forward token (read,
+    not sampled: `cost()["forward_tokens"]`).
     """
 
     name = "belief"
@@ -181,7 +198,7 @@ class AnswerBeliefStepScorer(StepScorer):
         self.tokens = 0
 
     def cost(self):
-        return {"scorer_tokens": float(self.tokens)}
+        return {"forward_tokens": float(self.tokens)}
 
     def _rows(self, prompt, steps_per_completion, answer):
         """(ids, answer length) of every (completion, step prefix) to probe, and their keys."""
@@ -219,6 +236,7 @@ class AnswerBeliefStepScorer(StepScorer):
         return out
 
     def score_group(self, prompt, steps_per_completion, example):
+        self.last_prompt_value = None  # not probed: the value form falls back to its default
         answer = str(example["answer"])
         rows, keys = self._rows(prompt, steps_per_completion, answer)
         values = [[0.0] * len(s) for s in steps_per_completion]
@@ -231,6 +249,70 @@ class AnswerBeliefStepScorer(StepScorer):
 
     def score(self, prompt, steps, example):
         return self.score_group(prompt, [steps], example)[0]
+
+    def probes(self, rollouts, steps_per_completion, step_ends, answer_ids):
+        """[(completion, cut, tail ids)]: the empty prefix (completion 0 cut after the prompt),
+        then every non-final step of every completion (cut after the step's last token); the
+        tail is the answer cue's tokens + the answer's."""
+        P = rollouts.prompt_len
+        out = [(0, P, self.tokenizer.encode(answer_cue("")) + answer_ids)]
+        for g, (steps, ends) in enumerate(zip(steps_per_completion, step_ends)):
+            for k, e in enumerate(list(ends)[:-1], start=1):
+                cue = answer_cue("".join(steps[:k]))
+                out.append((g, P + int(e) + 1, self.tokenizer.encode(cue) + answer_ids))
+        return out
+
+    @torch.no_grad()
+    def branched_beliefs(self, seqs, probes, n_answer: int) -> list[float]:
+        """exp(mean log p(answer)) of each probe `(row, cut, tail)` of `probes`: `seqs[row][:cut]`
+        from a cache of its completion (prefilled once, up to its longest cut), then the tail,
+        whose last `n_answer` tokens are the answer."""
+        used = sorted({g for g, _, _ in probes})
+        trunk = {g: max(n for h, n, _ in probes if h == g) for g in used}
+        cache = prefill_rows(self.model, [seqs[g][: trunk[g]] for g in used], self.device)
+        row_of = {g: r for r, g in enumerate(used)}
+        self.tokens += sum(trunk.values())
+        out = []
+        for start in range(0, len(probes), self.batch_rows):
+            chunk = probes[start:start + self.batch_rows]
+            branch = gather_cache_rows(cache, [row_of[g] for g, _, _ in chunk],
+                                       [n for _, n, _ in chunk])
+            width = max(len(t) for _, _, t in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)  # (R, W) right padded
+            mask = torch.zeros(len(chunk), width, dtype=torch.bool)
+            for r, (_, _, tail) in enumerate(chunk):
+                ids[r, : len(tail)] = torch.tensor(tail)
+                mask[r, : len(tail)] = True
+            h = self.model.forward_hidden(ids.to(self.device), mask.to(self.device), branch)
+            # the answer's tokens are predicted from the position before each of them
+            rows_idx = [r for r in range(len(chunk)) for _ in range(n_answer)]
+            pos_idx = [len(t) - n_answer - 1 + j for _, _, t in chunk for j in range(n_answer)]
+            targets = torch.tensor([x for _, _, t in chunk for x in t[len(t) - n_answer:]])
+            logits = self.model.lm_head(h[rows_idx, pos_idx]).float()  # (R n_answer, V)
+            lp = torch.log_softmax(logits, dim=-1).cpu().gather(-1, targets[:, None])[:, 0]
+            out += [float(p.mean().exp()) for p in lp.split(n_answer)]
+            self.tokens += sum(len(t) for _, _, t in chunk)
+        return out
+
+    def score_rollouts(self, prompt, rollouts, steps_per_completion, step_ends, example):
+        answer = str(example["answer"])
+        answer_ids = self.tokenizer.encode(answer)
+        G = len(rollouts)
+        seqs = [rollouts.full_ids(g).tolist() for g in range(G)]
+        probes = self.probes(rollouts, steps_per_completion, step_ends, answer_ids)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            beliefs = self.branched_beliefs(seqs, probes, len(answer_ids))
+        finally:
+            self.model.train(was_training)
+        self.last_prompt_value = beliefs[0]
+        values, i = [], 1
+        for steps, ends in zip(steps_per_completion, step_ends):
+            row = beliefs[i:i + max(0, len(ends) - 1)]
+            i += len(row)
+            values.append(row + [reward_rlvr("".join(steps), answer)] if len(ends) else [])
+        return values
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,13 +413,16 @@ class MonteCarloStepScorer(StepScorer):
         self.batch_size, self.generator, self.reward_fn = batch_size, generator, reward_fn
         self.device, self.branch = device, branch
         self.generated_tokens = 0
-        self.prefill_tokens = 0  # branch mode: tokens run to build the shared prefixes
+        self.prefill_tokens = 0  # tokens prefilled: the prefixes (re-read, or branch mode's)
         self.rollouts = 0
         self.reused = 0  # branch mode: group completions counted as samples of a prefix value
         self.seconds = 0.0
 
     def cost(self):
+        """Sampled tokens (`mc_generated_tokens`), the prefixes' prefill (`forward_tokens`; in
+        branch mode also `mc_prefill_tokens`), continuations, seconds."""
         cost = {"mc_generated_tokens": float(self.generated_tokens),
+                "forward_tokens": float(self.prefill_tokens),
                 "mc_rollouts": float(self.rollouts), "mc_seconds": self.seconds}
         if self.branch:
             cost.update(mc_prefill_tokens=float(self.prefill_tokens),
@@ -350,6 +435,7 @@ class MonteCarloStepScorer(StepScorer):
             self.model, self.tokenizer, texts, self.k, self.max_new_tokens, self.temperature,
             self.top_p, self.generator, self.batch_size, self.device)
         self.generated_tokens += n_tokens
+        self.prefill_tokens += sum(len(self.tokenizer.encode(t)) for t in texts)  # once each
         self.rollouts += len(texts) * self.k
         return conts
 

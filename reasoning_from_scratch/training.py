@@ -144,12 +144,18 @@ METRIC_COLUMNS = [
     "step", "loss", "pg_loss", "kl", "reward_mean", "reward_std", "correct_mean", "format_mean",
     "adv_mean", "adv_std", "zero_adv_frac", "entropy", "ratio_mean", "ratio_max",
     "clip_frac_low", "clip_frac_high", "len_mean", "len_max", "truncated_frac", "grad_norm",
-    "skipped", "gen_tokens", "scorer_tokens", "tokens_per_s", "rollout_s", "update_s",
-    "step_time", "lr", "sampling_rounds", "tis_weight_mean", "off_policy_mask_frac",
+    "skipped", "gen_tokens", "scorer_tokens", "decode_tokens", "forward_tokens", "tokens_per_s",
+    "rollout_s", "update_s", "step_time", "lr", "sampling_rounds", "tis_weight_mean",
+    "off_policy_mask_frac",
     *PROCESS_COLUMNS.values(),
     "eval_accuracy", "eval_format_rate", "eval_think_accuracy",
     "eval_step_correctness",
 ]
+# Step-scorer cost keys (`scorer.cost()`) of tokens sampled and of tokens only read (prefills,
+# probes, a reward model's reads and training forwards): the decode_tokens and forward_tokens
+# columns count every arm in the same two units.
+DECODE_COST_KEYS = ("mc_generated_tokens",)
+FORWARD_COST_KEYS = ("forward_tokens",)
 # Columns that measure time: they differ between two otherwise identical runs.
 TIMING_COLUMNS = ("tokens_per_s", "rollout_s", "update_s", "step_time")
 # Not "loss": with one update per batch it is ~0 by construction (ratio 1, advantages of mean 0).
@@ -222,7 +228,9 @@ class GRPOConfig:
         "advantage scaling: group std (GRPO), batch std, or none (Dr. GRPO)",
         choices=SCALE_REWARDS)
     skip_zero_advantage: bool = option(True,
-        "drop groups whose rewards are all equal (no learning signal)")
+        "drop groups with no learning signal: rewards all equal (outcome supervision), or, "
+        "with process supervision, token advantages all exactly zero (equal outcomes and no "
+        "step credit)")
     reward_normalization: str = option("sum",
         "sum: normalise the weighted sum of the reward terms in each group (GRPO); per_reward: "
         "normalise each term in its group, then sum (GDPO)",
@@ -971,7 +979,9 @@ def _rollouts(model, tokenizer, examples, device, config, reward_fn, advantage_f
     process's rows, its statistics fields (rewards, samples, zero_adv_frac,
     num_generated_tokens) the whole step's, in prompt order, round after round.
     """
-    t0, scorer_before = time.time(), _scorer_tokens(advantage_fn)
+    t0 = time.time()
+    scorer_before = _scorer_tokens(advantage_fn)
+    forward_before = _scorer_tokens(advantage_fn, FORWARD_COST_KEYS)
     P, G = config.prompts_per_step, config.num_rollouts
     start, stop = shard_range(P)  # this process's prompts of each batch
     rounds = config.max_sampling_rounds if config.dynamic_sampling else 1
@@ -998,10 +1008,12 @@ def _rollouts(model, tokenizer, examples, device, config, reward_fn, advantage_f
             break
     kept = [[share["kept"] for share in rnd] for rnd in shares]
     batch = _first_groups(batches, kept, P, G, pad_id_of(tokenizer))
-    scorer_tokens = all_reduce_sum([_scorer_tokens(advantage_fn) - scorer_before])[0]
+    scorer_tokens, scorer_forward = all_reduce_sum([
+        _scorer_tokens(advantage_fn) - scorer_before,
+        _scorer_tokens(advantage_fn, FORWARD_COST_KEYS) - forward_before])
     return _with_step_statistics(batch, shares), {
         "t0": t0, "rollout_s": time.time() - t0, "sampling_rounds": len(batches),
-        "scorer_tokens": int(scorer_tokens)}
+        "scorer_tokens": int(scorer_tokens), "scorer_forward_tokens": int(scorer_forward)}
 
 
 def _share_summary(batch, G):
@@ -1092,16 +1104,40 @@ def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step
     row.update(rollout_s=cost["rollout_s"], update_s=t2 - t1, step_time=t2 - cost["t0"],
                sampling_rounds=cost["sampling_rounds"],
                tokens_per_s=batch.num_generated_tokens / max(t2 - cost["t0"], 1e-9),
-               gen_tokens=batch.num_generated_tokens, scorer_tokens=cost["scorer_tokens"])
+               gen_tokens=batch.num_generated_tokens, scorer_tokens=cost["scorer_tokens"],
+               decode_tokens=batch.num_generated_tokens + cost["scorer_tokens"],
+               forward_tokens=_forward_tokens(batch, config, ref_model is not None)
+               + cost["scorer_forward_tokens"])
     return row
 
 
-def _scorer_tokens(advantage_fn):
-    """Tokens spent so far by a process step scorer (Monte-Carlo continuations, an online PRM's
-    reading); 0 if free."""
+def _forward_tokens(batch, config, with_reference: bool) -> int:
+    """Tokens the policy (and its reference) read in one step without sampling them, summed over
+    processes: each rollout's prompt once (`prompt_tokens` of its sample; sampling prefills a
+    group's prompt once and repeats its cache, so this counts (G - 1) prompts per group more
+    than were computed, the same for every arm), then each row that enters the update (its
+    positions less the prompt's left padding; the completions' right padding is counted, as
+    the forward pass computes it) once per inner epoch with gradients, once more without for
+    the old policy's log-probs (inner epochs > 1) and once for the reference's. A backward
+    pass is not counted (it costs about two forwards of the same tokens, for every arm
+    alike)."""
+    prefill = sum(s.get("prompt_tokens", 0) for s in batch.samples)  # the whole step's
+    if batch.attention_mask is None:
+        rows = batch.input_ids.numel()
+    else:
+        rows = int(batch.attention_mask.sum())
+    passes = config.inner_epochs + (config.inner_epochs > 1) + with_reference
+    return int(prefill + all_reduce_sum([float(rows * passes)])[0])
+
+
+def _scorer_tokens(advantage_fn, keys=DECODE_COST_KEYS):
+    """Tokens spent so far by a process step scorer, summed over the cost keys `keys`: by default
+    the tokens it sampled (Monte-Carlo continuations), with `FORWARD_COST_KEYS` the tokens it
+    read without sampling (prefilled prefixes, a reward model's or a probe's forward passes);
+    0 if free."""
     scorer = getattr(advantage_fn, "step_scorer", None)
     cost = scorer.cost() if scorer is not None and hasattr(scorer, "cost") else {}
-    return int(cost.get("mc_generated_tokens", 0) + cost.get("scorer_tokens", 0))
+    return int(sum(cost.get(k, 0) for k in keys))
 
 
 def _logprobs_no_grad(model, batch, config):

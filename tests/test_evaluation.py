@@ -233,3 +233,18 @@ def test_ch03_evaluate_script_offline(tmp_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["index"] for r in records] == [0, 1, 2]
     assert all(set(r) == RECORD_KEYS for r in records)
+
+
+def test_problem_outcomes_hand_made_records():
+    think_ok = " <think>\nStep 1: 2+3=5\nStep 2: 5*4=20\n</think>\n\\boxed{20}"
+    think_slip = " <think>\nStep 1: 2+3=6\n</think>\n\\boxed{20}"  # one wrong, one missing
+    records = [
+        {"problem": "Compute (2+3)*4", "generated_text": think_ok, "correct": True},
+        {"problem": "Compute (2+3)*4", "generated_text": think_slip, "correct": True},
+        {"problem": "Compute (2+3)*4", "generated_text": "\\boxed{19}", "correct": False},
+        {"problem": "What is the capital of France?", "generated_text": " <think>\nParis\n"
+         "</think>\n\\boxed{Paris}", "correct": True},  # no step verifier for it
+    ]
+    out = evaluation.problem_outcomes(records)
+    assert out == {"correct": [1, 1, 0, 1], "steps_good": [2, 0, 0, 0],
+                   "steps_total": [2, 2, 0, 0]}

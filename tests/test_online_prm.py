@@ -65,7 +65,7 @@ def test_online_prm_scores_then_updates_on_verifier_labels(prm_and_tokenizer):
     assert labeler.calls == [("P", group, [[1.0] * 4, [1.0, 0.0, 0.0, 0.0], []])]
     cost = scorer.cost()
     read = sum(len(encode_steps(tokenizer, "P", s)[0]) for s in group[:2])
-    assert cost["scorer_tokens"] == 2 * read  # read once to score, once to train
+    assert cost["forward_tokens"] == 2 * read  # read once to score, once to train
     assert cost["prm_updates"] == 1 and 0.0 <= cost["prm_agreement"] <= 1.0
 
 
@@ -150,6 +150,36 @@ def test_hook_pure_gives_the_outcome_term_to_its_share_of_groups(arith_tokenizer
                                torch.tensor([[1.0], [-1.0]]) * ro.completion_mask)
     with pytest.raises(ValueError, match="verifiable_share"):
         ProcessAdvantageFn(arith_tokenizer, VerifierStepScorer(), verifiable_share=1.5)
+
+
+def test_hook_shuffled_control_is_the_same_whatever_the_group_order_or_restart(arith_tokenizer):
+    """The shuffle's permutations come from (seed, the group's tokens): scoring the groups in
+    another order, or with a fresh hook after a restart, draws the same; another seed does not
+    (for some seed); the completions' token-weighted totals are the unshuffled ones."""
+    wrong_late = GOOD.replace("126-8=118", "126-8=117")
+    groups = [(EXAMPLE, _rollouts(arith_tokenizer, [GOOD, BAD, BARE, wrong_late]), None),
+              (EXAMPLE, _rollouts(arith_tokenizer, [BAD, GOOD, wrong_late]), None)]
+    oa = [torch.tensor([1.0, -0.5, -0.5, 0.0]), torch.tensor([-0.5, 1.0, -0.5])]
+
+    def run(hook, order):
+        out = {}
+        for n in order:
+            ro = groups[n][1]
+            out[n] = hook([groups[n]], oa[n][None], ro.completion_mask)
+        return out
+
+    def hook(control="shuffled", seed=3):
+        return ProcessAdvantageFn(arith_tokenizer, VerifierStepScorer(think_only=True),
+                                  variant="progress", credit_control=control, seed=seed)
+
+    first, reordered, restarted = run(hook(), [0, 1]), run(hook(), [1, 0]), run(hook(), [0, 1])
+    plain = run(hook("none"), [0, 1])
+    for n in (0, 1):
+        assert torch.equal(first[n], reordered[n]) and torch.equal(first[n], restarted[n])
+        torch.testing.assert_close(first[n].sum(1), plain[n].sum(1))
+    assert any(not torch.allclose(first[n], plain[n]) for n in (0, 1))  # something moved
+    others = [run(hook(seed=s), [0, 1]) for s in range(4, 12)]
+    assert any(not torch.equal(o[0], first[0]) for o in others)
 
 
 @pytest.mark.parametrize("variant", ["progress", "first-error", "clip"])

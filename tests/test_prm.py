@@ -116,6 +116,9 @@ def test_save_load_roundtrip_and_scorer(tokenizer, tmp_path):
     assert [len(s) for s in scores] == [2, 1]
     assert all(0.0 < x < 1.0 for s in scores for x in s)
     assert scores[0][0] == pytest.approx(scores[1][0], abs=1e-6)  # causal: later steps don't leak
+    # its reads are counted as forward tokens: prompt + steps of each completion, once
+    read = sum(len(encode_steps(tok2, "P", s)[0]) for s in (steps, steps[:1]))
+    assert scorer.cost() == {"forward_tokens": read}
     with pytest.raises(FileNotFoundError, match="save_prm"):
         load_prm(tmp_path)
 

@@ -52,6 +52,33 @@ def test_progress_credit_by_hand():
         assert sum(credit) == pytest.approx((m - 2) / 2)
 
 
+def test_progress_credit_mixed_lengths_by_hand():
+    # A completion that stops early reaches its own end (value 0), not the group's V_{K_i}.
+    # correct prefixes (1), (1, 1, 1), (1, 0, 0), (0, 0, 0): M = (1, 3, 1, 0), mean 1.25,
+    # std = sqrt(4.75 / 3) = 1.25831; V_0 = 1.25, V_1 = mean(0, 2, 0) = 2/3, V_2 = 1, V_3 = 0
+    got = anchored_credit([[1], [1, 1, 1], [1, 0, 1], [0, 1, 1]], "progress", eps=0.0)
+    s = (4.75 / 3) ** 0.5
+    close(got, [[(1 + 0 - 1.25) / s],  # its last step reaches its end: 1 + 0 - V_0
+                [(1 + 2 / 3 - 1.25) / s, (1 + 1 - 2 / 3) / s, (1 + 0 - 1) / s],
+                [(1 + 2 / 3 - 1.25) / s, (0 - 2 / 3) / s, 0.0],  # 0 after the first error
+                [-1.25 / s, 0.0, 0.0]], tol=1e-5)
+    close([sum(c) for c in got], [-0.199, 1.391, -0.199, -0.993])
+
+
+def test_progress_credit_sums_to_the_normalised_count_on_random_mixed_groups():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        G = rng.randint(2, 6)
+        rewards = [[rng.random() for _ in range(rng.randint(1, 6))] for _ in range(G)]
+        got = anchored_credit(rewards, "progress", threshold=0.3)
+        m = torch.tensor([sum(c) for c in prefix_correct(rewards, 0.3)])
+        want = ([0.0] * G if bool((m == m[0]).all())
+                else ((m - m.mean()) / (m.std() + 1e-4)).tolist())
+        close([sum(c) for c in got], want, tol=1e-4)
+
+
 def test_progress_two_completions_blame_only_where_they_part():
     # both correct for two steps; A slips at step 3, C goes on: only step 3 gets credit
     got = anchored_credit([[1, 1, 0], [1, 1, 1, 1]], "progress", eps=0.0)
@@ -167,6 +194,41 @@ def test_shuffled_control_permutes_within_each_completion_reproducibly():
     assert control_credit(credit, ends, "none") == credit
     with pytest.raises(ValueError, match="unknown control"):
         control_credit(credit, ends, "mixed")
+
+
+def test_shuffled_control_moves_credit_mass_by_hand():
+    from reasoning_from_scratch.process import control_credit
+
+    class Reverse:  # a "generator" whose shuffle reverses: the permutation (2, 1, 0)
+        def shuffle(self, x):
+            x.reverse()
+
+    # steps of 2, 2, 1 tokens with credit 1, -0.5, 3 (token-weighted total 2 - 1 + 3 = 4):
+    # step 0 gets step 2's mass 3 * 1 over its 2 tokens, step 2 gets step 0's 1 * 2 over 1 token
+    got = control_credit([[1.0, -0.5, 3.0]], [[1, 3, 4]], "shuffled", Reverse())
+    close(got, [[1.5, -0.5, 2.0]])
+
+
+def test_shuffled_control_keeps_every_completions_token_weighted_total():
+    import random
+
+    from reasoning_from_scratch.process import control_credit, step_sizes
+
+    rng = random.Random(1)
+    moved = 0
+    for _ in range(200):
+        credit, ends = [], []
+        for _ in range(rng.randint(1, 5)):
+            sizes = [rng.randint(1, 9) for _ in range(rng.randint(1, 6))]
+            ends.append([sum(sizes[: k + 1]) - 1 for k in range(len(sizes))])
+            credit.append([rng.uniform(-2, 2) for _ in sizes])
+        got = control_credit(credit, ends, "shuffled", random.Random(rng.random()))
+        for cr, sh, es in zip(credit, got, ends):
+            n = step_sizes(es)
+            assert sum(c * k for c, k in zip(sh, n)) == pytest.approx(
+                sum(c * k for c, k in zip(cr, n)), abs=1e-9)
+            moved += sh != cr
+    assert moved > 100  # and the placement does change
 
 
 def test_format_scorer_with_progress_credits_the_first_step_only():

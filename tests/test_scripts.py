@@ -71,17 +71,19 @@ def test_ch08_summary_equal_steps_and_equal_tokens(tmp_path):
     assert outcome["final_accuracy"]["sd"] == pytest.approx(0.0707107, abs=1e-6)
     assert outcome["final_step_correctness"]["mean"] == pytest.approx(0.9)  # None skipped
     assert math.isnan(outcome["final_right_answer_wrong_step"]["mean"])
-    assert outcome["accuracy_at_budget"]["mean"] == pytest.approx(0.65)
-    # Equal steps: the first evaluation at or above 0.65; equal tokens: both MC runs pass the
-    # budget after step 5, so their step-5 accuracies count.
+    # Equal tokens, interpolated at outcome's 210: its seed 0 is past its end (0.6), its seed 1
+    # at 0.5 + 100/110 x 0.2; MC between steps 5 and 10, the verifier past its end
+    assert outcome["accuracy_at_budget"]["mean"] == pytest.approx((0.6 + 0.5 + 0.2 / 1.1) / 2)
+    assert mc_row["accuracy_at_budget_per_seed"] == {
+        0: pytest.approx(0.7 + 60 / 150 * 0.1), 1: pytest.approx(0.5 + 50 / 160 * 0.1)}
+    assert verifier["accuracy_at_budget"]["mean"] == pytest.approx(0.66)
+    # Equal steps: the first evaluation at or above 0.65
     assert mc_row["steps_to_target"] == [5, None]
-    assert mc_row["accuracy_at_budget"]["mean"] == pytest.approx(0.6)
-    assert mc_row["step_at_budget"]["mean"] == pytest.approx(5)
-    assert verifier["accuracy_at_budget"]["mean"] == pytest.approx(0.66)  # within: final
     assert verifier["steps_to_target"] == [10]
+    assert "intervals" not in mc_row  # no per-problem records: no intervals
     table = write_table(summary, base, tmp_path / "results.md")
     assert "| process (MC) | 2 | 0.700 ± 0.141 |" in table
-    assert "5 (1/2 runs) | 0.600 ± 0.141 (step 5) |" in table
+    assert "5 (1/2 runs) | 0.636 ± 0.148 |" in table
     assert "0.3 (scorer 0.1)" in table  # k tokens per run, Monte-Carlo share
     assert "n/a" in table  # the missing figures
     plot_process_vs_outcome(curves, base, tmp_path / "fig.png", summary["token_budget"])
@@ -177,8 +179,9 @@ def test_ch08_control_arms_run_with_their_settings(tmp_path):
         "format", "belief")
     assert settings("vps")["process_variant"] == "value-delta"
     rows = {r["arm"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
-    assert rows["vps"]["scorer_tokens"]["mean"] > 0  # the belief probes are counted
-    assert rows["placebo"]["scorer_tokens"]["mean"] == 0
+    # the belief probes are read, not sampled: forward tokens, not the scorer's decode tokens
+    assert rows["vps"]["scorer_tokens"]["mean"] == rows["placebo"]["scorer_tokens"]["mean"] == 0
+    assert rows["vps"]["forward_tokens"]["mean"] > 0
 
 
 def test_ch07_compare_tiny_run(tmp_path):

@@ -125,6 +125,10 @@ def test_mc_real_model_batched_and_costed(tokenizer):
     # 5 distinct non-final prefixes x 3 continuations; at most 4 new tokens each.
     assert cost["mc_rollouts"] == 15
     assert 15 <= cost["mc_generated_tokens"] <= 60
+    # each distinct prefix (prompt + steps so far) is prefilled once: forward tokens
+    prompt = render_prompt(EXAMPLE["problem"])
+    prefixes = {prompt + "".join(s[:j + 1]) for s in groups for j in range(len(s) - 1)}
+    assert cost["forward_tokens"] == sum(len(tokenizer.encode(p)) for p in prefixes)
     assert not model.training
 
 
@@ -351,6 +355,7 @@ def test_mc_branch_on_a_real_model_costs_less_than_the_text_scorer(tokenizer):
     assert text["mc_rollouts"] == 15 and branch["mc_rollouts"] == 4
     assert branch["mc_generated_tokens"] < text["mc_generated_tokens"]
     assert branch["mc_prefill_tokens"] > 0 and "mc_prefill_tokens" not in text
+    assert branch["forward_tokens"] == branch["mc_prefill_tokens"]  # counted as forward
     assert not model.training
 
 
@@ -388,7 +393,38 @@ def test_answer_belief_by_hand_on_a_tiny_model(tokenizer):
     assert values[1][1] == pytest.approx(float(want), abs=1e-5)
     assert all(0.0 < v < 1.0 for v in values[0][:-1] + values[1][:-1])
     # every token of the probed rows is counted: (len(good) - 1) + (len(bad) - 1) rows
-    assert scorer.cost()["scorer_tokens"] > (len(good) + len(bad) - 2) * len(ids) * 0.5
+    assert scorer.cost()["forward_tokens"] > (len(good) + len(bad) - 2) * len(ids) * 0.5
     assert isinstance(build_step_scorer("belief", model, tokenizer), AnswerBeliefStepScorer)
     with pytest.raises(ValueError, match="needs the policy model"):
         build_step_scorer("belief")
+
+
+def test_belief_probes_from_the_rollouts_caches_equal_re_reading_them(tokenizer):
+    """The branched probes give the beliefs a full re-read of the same token ids gives, at
+    fewer forward tokens; the empty prefix gives V(s_0) on the same scale."""
+    from reasoning_from_scratch.process import completion_steps
+    from reasoning_from_scratch.step_scorers import AnswerBeliefStepScorer
+
+    torch.manual_seed(0)
+    model = Qwen3Model(tiny_config(vocab_size=tokenizer.vocab_size)).eval()
+    ro = _rollouts(tokenizer, [GOOD, BAD, " \\boxed{118}"])
+    steps, ends = zip(*[completion_steps(tokenizer, ro.completion_ids[g], int(ro.lengths[g]),
+                                         ro.texts[g], False) for g in range(3)])
+    scorer = AnswerBeliefStepScorer(model, tokenizer, batch_rows=3)  # probes in three batches
+    values = scorer.score_rollouts("", ro, steps, ends, EXAMPLE)
+    branched = scorer.cost()["forward_tokens"]
+    answer_ids = tokenizer.encode("118")
+    probes = scorer.probes(ro, steps, ends, answer_ids)
+    assert len(probes) == 1 + sum(len(e) - 1 for e in ends)  # V(s_0) + non-final steps
+    reread = AnswerBeliefStepScorer(model, tokenizer)
+    want = reread.beliefs([(ro.full_ids(g).tolist()[:cut] + tail, len(answer_ids))
+                           for g, cut, tail in probes])
+    assert scorer.last_prompt_value == pytest.approx(want[0], abs=1e-5)
+    got = [v for row in values for v in row[:-1]]
+    assert got == [pytest.approx(w, abs=1e-5) for w in want[1:]]
+    assert [row[-1] for row in values] == [1.0, 0.0, 1.0]  # last steps: the outcome
+    assert branched < reread.cost()["forward_tokens"]  # each completion read once, not K times
+    # value-delta's first credit starts from the probed V(s_0), not the group's mean outcome
+    adv, _ = process_token_advantages(ro, EXAMPLE, tokenizer, scorer, variant="value-delta",
+                                      outcome_advantages=torch.zeros(3))
+    assert adv[0, 0].item() == pytest.approx(values[0][0] - scorer.last_prompt_value, abs=1e-5)

@@ -260,11 +260,11 @@ def test_ch07_script_runs_the_outcome_anchored_forms(tmp_path, scorer, variant):
     config = json.loads((out / "config.json").read_text())
     assert (config["step_scorer"], config["process_variant"], config["process_alpha"]) == (
         scorer, variant, 0.5)
-    scorer_tokens = read_metrics(out / "metrics.csv")[0]["scorer_tokens"]
-    if scorer in ("mc-branch", "belief"):  # continuations, belief probes
-        assert scorer_tokens > 0
-    else:  # the verifier and the format check read nothing
-        assert scorer_tokens == 0
+    row = read_metrics(out / "metrics.csv")[0]
+    # sampled by the scorer: Monte-Carlo continuations only
+    assert (row["scorer_tokens"] > 0) == (scorer == "mc-branch")
+    assert row["decode_tokens"] == row["gen_tokens"] + row["scorer_tokens"]
+    assert row["forward_tokens"] > 0  # rollout prompts and the update, for every arm
 
 
 def test_compute_grpo_loss_process_gives_token_advantages():
@@ -340,3 +340,22 @@ def test_train_level_weights_flag_and_data():
     assert len({ex["level"] for ex in held_out}) == 5  # held-out levels stay uniform
     with pytest.raises(ValueError, match="arith"):
         training_cli.load_grpo_data("gsm8k", 10, train_level_weights=[1, 1, 1, 1, 1])
+
+
+def test_forward_tokens_counts_prefill_and_update_passes_by_hand():
+    from reasoning_from_scratch.grpo import RolloutBatch, pack_rollouts
+
+    # prompts of 3 and 2 tokens, two completions each (3 and 1 tokens, 2 and 2)
+    comp_a, comp_b = torch.tensor([[7, 8, 9], [7, 0, 0]]), torch.tensor([[6, 6], [5, 5]])
+    mask_a = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    ids, am, P, cmask = pack_rollouts([torch.tensor([1, 2, 3]), torch.tensor([4, 5])],
+                                      [comp_a, comp_b], [mask_a, torch.ones(2, 2).bool()])
+    assert ids.shape == (4, 6)  # 3 prompt columns + 3 completion columns
+    samples = [{"prompt_tokens": 3}] * 2 + [{"prompt_tokens": 2}] * 2
+    batch = RolloutBatch(ids, am, P, cmask, torch.zeros(4), torch.zeros(2, 2), samples)
+    # prefill 3 + 3 + 2 + 2 = 10; the update reads 4 x 6 = 24 positions less the 2 left pads
+    # of the second prompt's rows = 22 per pass
+    assert training._forward_tokens(batch, GRPOConfig(inner_epochs=1), False) == 10 + 22
+    assert training._forward_tokens(batch, GRPOConfig(inner_epochs=1), True) == 10 + 2 * 22
+    # 2 epochs with gradients + the old policy's log-probs + the reference: 4 passes
+    assert training._forward_tokens(batch, GRPOConfig(inner_epochs=2), True) == 10 + 4 * 22

@@ -107,9 +107,10 @@ def check_report_backends(parser, names):
             parser.error(problem)
 
 
-def add_data_arguments(parser):
-    """--eval-split, --train-examples and --train-level-weights (saved in data.json)."""
-    parser.add_argument("--eval-split", default="test", choices=("test", "val"),
+def add_data_arguments(parser, eval_split: str = "test"):
+    """--eval-split (default `eval_split`), --train-examples and --train-level-weights (saved in
+    data.json)."""
+    parser.add_argument("--eval-split", default=eval_split, choices=("test", "val"),
                         help="held-out split for arith (val for tuning, test for reporting)")
     parser.add_argument("--train-examples", type=optional_positive_int,
                         default=None,

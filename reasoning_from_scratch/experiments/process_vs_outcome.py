@@ -22,9 +22,11 @@ seeds each:
   format alone (format-progress), and recommended's own credit spread evenly over each
   completion's tokens (placebo) or shuffled among its steps (shuffled).
 
-The process arms keep the groups whose outcome rewards are all equal (the trainer's
-`skip_zero_advantage` looks at outcome rewards only, and such groups can still differ step by
-step; --process-skip-zero-advantage restores the skipping). What each reward contains: the outcome
+The process arms keep every group by default, even one with no signal at all.
+--process-skip-zero-advantage (the trainer's `skip_zero_advantage` under a process advantage_fn)
+drops the groups whose token advantages are all exactly zero: equal outcomes *and* no step
+credit. A group with equal outcomes whose steps differ is kept either way.
+What each reward contains: the outcome
 reward is correctness + format bonus; the verifier's step rewards check the arithmetic and (last
 step) the boxed answer, without the format bonus; the PRM estimates the verifier's labels.
 
@@ -32,25 +34,33 @@ Every run saves checkpoints at --eval-points evenly spaced steps, each evaluated
 held-out split with `evaluation.evaluate`: strict (boxed) accuracy, step correctness (fraction of
 verifier-correct steps over think-format answers, a missing step counted as wrong), right answer
 with a wrong step (among correct think-format answers), accuracy among think-format answers and
-format rate. Each checkpoint also records its training seconds (rollouts, step scoring and
-updates; evaluation excluded) and cumulative generated tokens: rollout tokens plus the step
-scorer's own (MC continuations), from the `gen_tokens` and `scorer_tokens` columns of the run's
-metrics.csv.
+format rate, and each problem's outcome (`evaluation.problem_outcomes`, for the intervals).
+Each checkpoint also records its training seconds (rollouts, step scoring and updates;
+evaluation excluded) and its cumulative tokens in two units, from the run's metrics.csv:
+decode tokens (sampled: rollouts + the step scorer's continuations, `gen_tokens` +
+`scorer_tokens`) and forward tokens (read without sampling: rollout prompts, the update's
+forward passes, the step scorer's prefills and forward passes, `forward_tokens`).
 
 `run_experiment` writes into --output-dir: one run directory per arm and seed (<arm>-seed<seed>/,
 with the trainer's files and curve.json), results.json, results.md (`write_table`) and
 process_vs_outcome.png (`plot_process_vs_outcome`: accuracy and step correctness against training
-step and against cumulative generated tokens, mean +- sd over seeds). The table has one row per
-arm (`summarise`), means +- sd over seeds:
+step and against cumulative decode tokens, mean +- sd over seeds). The held-out split defaults
+to val (choose there; report on test), all of its problems. The first table has one row per arm
+(`summarise`), means +- sd over seeds:
 - final accuracy, step correctness, right answer + wrong step, think accuracy: at the last step;
-- tokens (k): generated tokens per run, rollouts + step scorer (the one-off cost of training the
-  PRM is reported under the table, not included);
+- decode and forward tokens (k) per run (the one-off cost of training the PRM is reported under
+  the table, not included);
 - train s: training seconds per run;
 - steps to outcome's acc.: the first evaluated step whose accuracy reaches the outcome runs' mean
   final accuracy (mean over the runs that reach it, with their count): equal-steps comparison;
-- acc. at outcome's tokens: the accuracy of each run's last evaluated checkpoint whose cumulative
-  generated tokens are at most the outcome runs' mean total: equal-generated-tokens comparison
-  (the final accuracy for arms that never exceed that budget).
+- acc. at outcome's decode tokens: accuracy at the outcome runs' mean total decode tokens,
+  linear between each run's evaluated checkpoints (`interpolate_at`, the one definition of
+  accuracy at a budget): the equal-tokens comparison.
+The second table reads the curves at outcome's decode tokens, forward tokens and seconds, and
+where they first cross outcome's final accuracy (`first_crossing`, biased early); the third
+gives 95% paired bootstrap intervals over problems and seeds (`stats.paired_bootstrap`) of
+final accuracy, step correctness and accuracy at outcome's decode tokens, and of their
+differences from outcome and from the arm's placebo.
 
 Resumable: a finished run (curve.json) is reused if it was run with the same settings, an
 interrupted one continues from its last checkpoint; `ExperimentSettings.report_only` trains
@@ -67,7 +77,7 @@ import multiprocessing
 import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -87,105 +97,139 @@ from .levels import LEVEL_FILE, final_level_figures, level_figures, level_table
 from .stats import (
     SETTINGS_FILE,
     cached_base_figures,
+    format_interval,
     format_pm,
     jsonable,
     mean_std,
+    paired_bootstrap,
     resume_point,
     settings_diff,
     stat,
 )
 from .stats import format_value as _opt  # short: the table lines are long
 
-# arm -> (step scorer spec, process variant; None = --process-variant). "prm" and "online-prm*"
-# specs get the PRM's path later (prm:PATH, online-prm:PATH, online-prm-outcome:PATH).
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of the experiment: how its runs are supervised and how the tables show them."""
+
+    label: str  # its row in the tables, its line in the figure
+    color: str  # its line's colour
+    # step scorer spec (`process_supervision.build_step_scorer`; "prm" and "online-prm*" get the
+    # PRM's path later: prm:PATH, online-prm:PATH, online-prm-outcome:PATH); None: outcome
+    scorer: str | None = None
+    variant: str | None = None  # process variant; None: --process-variant
+    config: dict = field(default_factory=dict)  # GRPOConfig values that differ from the flags
+    placebo: str | None = None  # the arm that spreads this arm's credit evenly (its control)
+
+
+def _recommended(alpha: float, **extra) -> dict:
+    """GRPOConfig values of the recommended form at step-credit weight `alpha`: the groups whose
+    token advantages are all zero (equal outcomes and equal verified steps) are dropped: they
+    carry no signal, and training on them doubled the update's cost."""
+    return {"process_alpha": alpha, "skip_zero_advantage": True, **extra}
+
+
+# The step-credit weight of `recommended` (and its controls `placebo`, `shuffled`): the form
+# chosen on tiny-arith-think's val split. `recommended-tiny-arith` keeps tiny-arith's choice.
+RECOMMENDED_ALPHA = 1.0
+THINK = ("verifier-think", "progress")  # outcome + progress credit of the think-only verifier
+FLAT, SHUFFLED = {"process_credit_control": "flat"}, {"process_credit_control": "shuffled"}
+
+
+def _alpha_arms(suffix: str, alpha: float, color: str, placebo_color: str, shuffled_color: str,
+                what: str) -> dict:
+    """`recommended<suffix>` at step-credit weight `alpha` and its two controls."""
+    return {
+        f"recommended{suffix}": Arm(f"recommended, step credit x {what}", color, *THINK,
+                                    _recommended(alpha), placebo=f"placebo{suffix}"),
+        f"placebo{suffix}": Arm(f"control: recommended x {what}'s credit spread evenly over "
+                                "each completion", placebo_color, *THINK,
+                                _recommended(alpha, **FLAT)),
+        f"shuffled{suffix}": Arm(f"control: recommended x {what}'s credit shuffled among each "
+                                 "completion's steps", shuffled_color, *THINK,
+                                 _recommended(alpha, **SHUFFLED)),
+    }
+
+
 ARMS = {
-    "outcome": (None, None), "verifier": ("verifier", None), "mc": ("mc", None),
-    "prm": ("prm", None), "verifier+outcome": ("verifier", "process+outcome"),
-    "mc+outcome": ("mc", "process+outcome"),
+    "outcome": Arm("outcome", "tab:blue"),
+    "verifier": Arm("process (verifier)", "tab:green", "verifier"),
+    "mc": Arm("process (MC)", "tab:red", "mc"),
+    "prm": Arm("process (learned PRM)", "tab:orange", "prm"),
+    "verifier+outcome": Arm("process (verifier) + outcome", "tab:olive", "verifier",
+                            "process+outcome"),
+    "mc+outcome": Arm("process (MC) + outcome", "tab:purple", "mc", "process+outcome"),
     # outcome-anchored forms (process.anchored_credit)
-    "first-error": ("verifier", "first-error"), "progress": ("verifier", "progress"),
-    "progress-think": ("verifier-think", "progress"),
-    "first-error-think": ("verifier-think", "first-error"),
-    "prm-clip": ("prm", "clip"), "prm-delta": ("prm", "delta"), "prm-pure": ("prm", "pure"),
-    "prm-progress": ("prm", "progress"), "mc-delta": ("mc", "value-delta"),
+    "first-error": Arm("outcome + first-error penalty (verifier)", "tab:gray", "verifier",
+                       "first-error"),
+    "progress": Arm("outcome + progress (verifier)", "tab:cyan", "verifier", "progress"),
+    "progress-think": Arm("outcome + progress (verifier, think-format steps only)", "teal",
+                          *THINK),
+    "first-error-think": Arm("outcome + first-error penalty (verifier, think-format steps only)",
+                             "dimgray", "verifier-think", "first-error"),
+    "prm-clip": Arm("outcome + clip form (PRM)", "tab:pink", "prm", "clip"),
+    "prm-delta": Arm("outcome + delta form (PRM)", "tab:brown", "prm", "delta"),
+    "prm-pure": Arm("PURE min form (PRM)", "gold", "prm", "pure"),
+    "prm-progress": Arm("outcome + progress (PRM)", "darkorange", "prm", "progress"),
+    "mc-delta": Arm("outcome + MC value differences", "darkred", "mc", "value-delta"),
     # VinePPO values from the group itself plus continuations branched from the rollouts' caches
-    "vine": ("mc-branch", "value-delta"), "vine-k2": ("mc-branch", "value-delta"),
-    "online-prm": ("online-prm", "progress"),
-    "online-prm-outcome": ("online-prm-outcome", "progress"),
+    "vine": Arm("outcome + MC value differences (group + branched caches, k = 4)", "firebrick",
+                "mc-branch", "value-delta"),
+    "vine-k2": Arm("outcome + MC value differences (group + branched caches, k = 2)", "salmon",
+                   "mc-branch", "value-delta", {"mc_rollouts": 2}),
+    "online-prm": Arm("outcome + progress (online PRM, verifier labels)", "tab:purple",
+                      "online-prm", "progress"),
+    "online-prm-outcome": Arm("outcome + progress (online PRM, outcome labels)", "indigo",
+                              "online-prm-outcome", "progress"),
     # the configuration chapter 8 recommends (see docs/process_supervision_forms.md)
-    "recommended": ("verifier-think", "progress"),
-    "recommended-a05": ("verifier-think", "progress"),
-    "recommended-a2": ("verifier-think", "progress"),
-    "pure": ("verifier", "pure"),
+    "recommended": Arm("recommended: outcome + progress (verifier-think, skip zero-signal "
+                       "groups)", "black", *THINK, _recommended(RECOMMENDED_ALPHA),
+                       placebo="placebo"),
+    "recommended-a05": Arm("recommended, step credit x 0.5", "dimgrey", *THINK,
+                           _recommended(0.5)),
+    "recommended-a1": Arm("recommended, step credit x 1", "black", *THINK, _recommended(1.0)),
+    **_alpha_arms("-a2", 2.0, "darkviolet", "hotpink", "peru", "2"),
+    **_alpha_arms("-a4", 4.0, "mediumorchid", "hotpink", "peru", "4"),
+    **_alpha_arms("-a8", 8.0, "plum", "hotpink", "peru", "8"),
+    # zero-signal groups kept, as every other form keeps them
+    "recommended-a2-keep": Arm("recommended, step credit x 2, zero-signal groups kept",
+                               "slateblue", *THINK, {"process_alpha": 2.0}),
+    "recommended-a4-keep": Arm("recommended, step credit x 4, zero-signal groups kept",
+                               "royalblue", *THINK, {"process_alpha": 4.0}),
+    "pure": Arm("PURE min form (verifier)", "gold", "verifier", "pure"),
     # GRPO-VPS: value differences of the policy's belief in the gold answer (no verifier)
-    "vps": ("belief", "value-delta"),
-    # controls: what the recommended arm's gain is made of
-    "outcome-format-any": (None, None), "outcome-format-any-w1": (None, None),
-    "format-progress": ("format", "progress"),
-    "placebo": ("verifier-think", "progress"), "shuffled": ("verifier-think", "progress"),
-    "placebo-a2": ("verifier-think", "progress"), "shuffled-a2": ("verifier-think", "progress"),
+    "vps": Arm("outcome + answer-belief value differences (GRPO-VPS)", "tab:green", "belief",
+               "value-delta"),
+    # controls: what the recommended arm's gain is made of; the format reward paid whatever the
+    # answer (weight 0.5 as outcome's, and 1.0)
+    "outcome-format-any": Arm("control: outcome, format reward 0.5 whatever the answer",
+                              "lightblue", config={"format_reward_conditional": False}),
+    "outcome-format-any-w1": Arm("control: outcome, format reward 1.0 whatever the answer",
+                                 "steelblue", config={"format_reward_conditional": False,
+                                                      "format_reward_weight": 1.0}),
+    "format-progress": Arm("control: outcome + progress of the think format alone", "tab:olive",
+                           "format", "progress", _recommended(1.0)),
+    # the recommended credit with its placement among the steps removed
+    "placebo": Arm("control: recommended's credit spread evenly over each completion",
+                   "tab:pink", *THINK, _recommended(RECOMMENDED_ALPHA, **FLAT)),
+    "shuffled": Arm("control: recommended's credit shuffled among each completion's steps",
+                    "tab:brown", *THINK, _recommended(RECOMMENDED_ALPHA, **SHUFFLED)),
+    # tiny-arith's choice: recommended as first measured there (alpha 1), and its controls
+    **_alpha_arms("-tiny-arith", 1.0, "black", "tab:pink", "tab:brown", "1 (tiny-arith)"),
 }
-# Per-arm GRPOConfig values that differ from the shared flags. The recommended arm drops the
-# groups whose token advantages are all zero (equal outcomes and equal verified steps): they
-# carry no signal, and training on them doubled the update's cost.
-RECOMMENDED = {"process_alpha": 1.0, "skip_zero_advantage": True}
-ARM_CONFIG = {"recommended": RECOMMENDED,
-              "recommended-a05": {**RECOMMENDED, "process_alpha": 0.5},
-              "recommended-a2": {**RECOMMENDED, "process_alpha": 2.0},
-              "vine-k2": {"mc_rollouts": 2},
-              # the format reward paid whatever the answer (weight 0.5 as outcome's, and 1.0)
-              "outcome-format-any": {"format_reward_conditional": False},
-              "outcome-format-any-w1": {"format_reward_conditional": False,
-                                        "format_reward_weight": 1.0},
-              "format-progress": RECOMMENDED,
-              # the recommended credit with its placement among the steps removed
-              "placebo": {**RECOMMENDED, "process_credit_control": "flat"},
-              "shuffled": {**RECOMMENDED, "process_credit_control": "shuffled"},
-              "placebo-a2": {**RECOMMENDED, "process_alpha": 2.0, "process_credit_control": "flat"},
-              "shuffled-a2": {**RECOMMENDED, "process_alpha": 2.0,
-                              "process_credit_control": "shuffled"}}
 DEFAULT_ARMS = "outcome,verifier,mc,prm,verifier+outcome"
-LABELS = {
-    "outcome": "outcome", "verifier": "process (verifier)", "mc": "process (MC)",
-    "prm": "process (learned PRM)", "verifier+outcome": "process (verifier) + outcome",
-    "mc+outcome": "process (MC) + outcome",
-    "first-error": "outcome + first-error penalty (verifier)",
-    "progress": "outcome + progress (verifier)",
-    "progress-think": "outcome + progress (verifier, think-format steps only)",
-    "first-error-think": "outcome + first-error penalty (verifier, think-format steps only)",
-    "prm-clip": "outcome + clip form (PRM)", "prm-delta": "outcome + delta form (PRM)",
-    "prm-pure": "PURE min form (PRM)", "prm-progress": "outcome + progress (PRM)",
-    "mc-delta": "outcome + MC value differences",
-    "vine": "outcome + MC value differences (group + branched caches, k = 4)",
-    "vine-k2": "outcome + MC value differences (group + branched caches, k = 2)",
-    "online-prm": "outcome + progress (online PRM, verifier labels)",
-    "online-prm-outcome": "outcome + progress (online PRM, outcome labels)",
-    "recommended": "recommended: outcome + progress (verifier-think, skip zero-signal groups)",
-    "recommended-a05": "recommended, step credit x 0.5",
-    "recommended-a2": "recommended, step credit x 2",
-    "pure": "PURE min form (verifier)",
-    "vps": "outcome + answer-belief value differences (GRPO-VPS)",
-    "outcome-format-any": "control: outcome, format reward 0.5 whatever the answer",
-    "outcome-format-any-w1": "control: outcome, format reward 1.0 whatever the answer",
-    "format-progress": "control: outcome + progress of the think format alone",
-    "placebo": "control: recommended's credit spread evenly over each completion",
-    "shuffled": "control: recommended's credit shuffled among each completion's steps",
-    "placebo-a2": "control: recommended x 2's credit spread evenly over each completion",
-    "shuffled-a2": "control: recommended x 2's credit shuffled among each completion's steps",
-}
-COLORS = {"outcome": "tab:blue", "verifier": "tab:green", "mc": "tab:red", "prm": "tab:orange",
-          "verifier+outcome": "tab:olive", "mc+outcome": "tab:purple",
-          "first-error": "tab:gray", "progress": "tab:cyan", "progress-think": "teal",
-          "first-error-think": "dimgray",
-          "prm-clip": "tab:pink",
-          "prm-delta": "tab:brown", "prm-pure": "gold", "prm-progress": "darkorange",
-          "mc-delta": "darkred", "vine": "firebrick", "vine-k2": "salmon",
-          "online-prm": "tab:purple", "online-prm-outcome": "indigo",
-          "recommended": "black", "recommended-a05": "dimgrey", "recommended-a2": "darkviolet",
-          "pure": "gold", "vps": "tab:green", "outcome-format-any": "lightblue",
-          "outcome-format-any-w1": "steelblue", "format-progress": "tab:olive",
-          "placebo": "tab:pink", "shuffled": "tab:brown", "placebo-a2": "hotpink",
-          "shuffled-a2": "peru"}
+LABELS = {name: arm.label for name, arm in ARMS.items()}  # the level table's row names
+# The paired bootstrap of the intervals (`stats.paired_bootstrap`): resamples, RNG seed, level.
+BOOTSTRAP = {"n_boot": 2000, "seed": 0, "level": 0.95}
+
+
+def placebo_of(arm: str) -> str | None:
+    """The placebo control of an arm (its credit spread evenly over each completion's
+    tokens), or None."""
+    return ARMS[arm].placebo
+
+
 # Held-out figures of every evaluated checkpoint (keys of evaluate()'s summary; may be None).
 METRICS = ("accuracy", "step_correctness", "right_answer_wrong_step", "think_accuracy",
            "format_rate")
@@ -207,10 +251,11 @@ class ExperimentSettings:
     output_dir: str = "runs/ch08-process-vs-outcome"  # run directories, PRM cache, results
     model: str = "tiny-arith"  # base model of every run and of the prm arm's PRM
     eval_points: int = 4  # a checkpoint every steps // eval_points steps
-    eval_split: str = "test"
+    eval_split: str = "val"  # val for choosing among arms, test for the reported table
     train_examples: int | None = None
     train_level_weights: tuple | list | None = DEFAULT_TRAIN_LEVEL_WEIGHTS
-    process_skip_zero_advantage: bool = False  # skip equal-outcome groups in process arms too
+    # process arms: drop groups whose token advantages are all zero (outcome and step credit)
+    process_skip_zero_advantage: bool = False
     report_only: bool = False  # train nothing: tabulate the finished runs
     jobs: int = 1  # runs trained at once, each in its own process with one CPU thread
     device: str | None = None
@@ -232,7 +277,7 @@ class ExperimentSettings:
 
 def _run_config(arm, seed, values, args, prm_path, run_dir):
     """The GRPOConfig of one run: the shared values plus the arm's supervision."""
-    spec, variant = ARMS[arm]
+    spec, variant = ARMS[arm].scorer, ARMS[arm].variant
     d = {**values, "seed": seed, "output_dir": str(run_dir), "eval_every": 0,
          "checkpoint_every": max(1, values["steps"] // args.eval_points),
          "keep_checkpoints": 0}  # every evaluation point's checkpoint is evaluated afterwards
@@ -243,13 +288,13 @@ def _run_config(arm, seed, values, args, prm_path, run_dir):
                  step_scorer=f"{spec}:{prm_path}" if _uses_prm(arm) else spec,
                  process_variant=variant or values["process_variant"],
                  skip_zero_advantage=args.process_skip_zero_advantage)
-    d.update(ARM_CONFIG.get(arm, {}))
+    d.update(ARMS[arm].config)
     return GRPOConfig.from_dict(d)
 
 
 def _uses_prm(arm):
     """Whether an arm's step scorer is the learned PRM (static or online)."""
-    spec = ARMS[arm][0]
+    spec = ARMS[arm].scorer
     return spec is not None and (spec == "prm" or spec.startswith("online-prm"))
 
 
@@ -286,26 +331,31 @@ def _load_curve(run_dir):
     return curve
 
 
-def _cumulative_costs(metrics_csv):
-    """step -> (training seconds, rollout tokens, step-scorer tokens), summed up to that step.
+COST_COLUMNS = ("step_time", "gen_tokens", "scorer_tokens", "forward_tokens")
 
-    Seconds are the trainer's step_time (rollouts + scoring + updates, no evaluation); tokens are
-    NaN if the run's metrics.csv has no gen_tokens / scorer_tokens columns.
+
+def _cumulative_costs(metrics_csv):
+    """step -> (training seconds, rollout tokens, step-scorer tokens, forward tokens), summed up
+    to that step.
+
+    Seconds are the trainer's step_time (rollouts + scoring + updates, no evaluation); a token
+    sum is NaN if the run's metrics.csv has no such column (written by an older version).
     """
-    out, secs, gen, scorer = {0: (0.0, 0.0, 0.0)}, 0.0, 0.0, 0.0
+    out, sums = {0: (0.0,) * len(COST_COLUMNS)}, [0.0] * len(COST_COLUMNS)
     for r in read_metrics(metrics_csv):
-        secs += r.get("step_time") or 0.0
-        gen += math.nan if r.get("gen_tokens") is None else r["gen_tokens"]
-        scorer += math.nan if r.get("scorer_tokens") is None else r["scorer_tokens"]
-        out[int(r["step"])] = (secs, gen, scorer)
+        for i, col in enumerate(COST_COLUMNS):
+            v = r.get(col)
+            sums[i] += (0.0 if col == "step_time" else math.nan) if v is None else v
+        out[int(r["step"])] = tuple(sums)
     return out
 
 
 def _make_point(step, costs, figures):
-    """One evaluated checkpoint: step, seconds, cumulative tokens and the held-out figures."""
-    secs, gen, scorer = costs.get(step, (math.nan,) * 3)
+    """One evaluated checkpoint: step, seconds, cumulative tokens (sampled: `tokens`, rollouts +
+    scorer; read without sampling: `forward_tokens`) and the held-out figures."""
+    secs, gen, scorer, forward = costs.get(step, (math.nan,) * len(COST_COLUMNS))
     return {"step": step, "seconds": secs, "gen_tokens": gen, "scorer_tokens": scorer,
-            "tokens": gen + scorer, **figures}
+            "tokens": gen + scorer, "forward_tokens": forward, **figures}
 
 
 def _checkpoint_points(run_dir, config, tokenizer, held_out, device, summary):
@@ -318,17 +368,20 @@ def _checkpoint_points(run_dir, config, tokenizer, held_out, device, summary):
     cache_file = run_dir / "evals.json"
     cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
     points, every = [], config.checkpoint_every
-    for step in range(every, config.steps, every):
-        if str(step) not in cache:
-            model, _ = load_pretrained(run_dir / f"checkpoint-{step}", device=device,
-                                       dtype=torch.float32)
+    steps = [*range(every, config.steps, every), config.steps]
+    for step in steps:
+        if str(step) not in cache:  # the final model too, for its per-problem outcomes
+            name = "final" if step == config.steps else f"checkpoint-{step}"
+            model, _ = load_pretrained(run_dir / name, device=device, dtype=torch.float32)
             cache[str(step)] = evaluate_policy(model, tokenizer, held_out[:config.eval_examples],
                                                device, config.eval_tokens,
-                                               config.eval_batch_size)
+                                               config.eval_batch_size, per_problem=True)
             atomic_write_json(cache_file, cache)
+    for step in steps[:-1]:
         points.append(_make_point(step, costs, cache[str(step)]))
     final = {k: summary[f"final_{k}"] for k in METRICS}
     final["per_level"] = {lv: v["final"] for lv, v in summary.get("per_level", {}).items()}
+    final["per_problem"] = cache[str(config.steps)].get("per_problem")
     points.append(_make_point(config.steps, costs, final))
     for ckpt in run_dir.glob("checkpoint-*"):
         shutil.rmtree(ckpt)  # keep the disk small
@@ -418,97 +471,173 @@ def _first_reaching(points, target):
     return None
 
 
-def _last_within(points, budget):
-    """The last point whose cumulative tokens are <= budget (points are in step order)."""
-    inside = [p for p in points if p["tokens"] is not None and p["tokens"] <= budget + 1e-9]
-    return inside[-1] if inside else None
+def _has(p, key):
+    """Whether point `p` has a number under `key` (not None, not NaN)."""
+    return p.get(key) is not None and not math.isnan(p[key])
+
+
+def _bracket(points, x, key):
+    """[(point, weight)]: the evaluated points around `key` = x with their linear weights (the
+    last point alone past its end, the first before its start); None if a point has no `key`
+    (a run from before that column existed). Points are in step order, the first at x = 0."""
+    if not points or not all(_has(p, key) for p in points):
+        return None
+    if x >= points[-1][key]:
+        return [(points[-1], 1.0)]
+    for a, b in zip(points, points[1:]):
+        if a[key] <= x <= b[key]:
+            w = 0.0 if b[key] == a[key] else (x - a[key]) / (b[key] - a[key])
+            return [(a, 1.0 - w), (b, w)]
+    return [(points[0], 1.0)]
 
 
 def interpolate_at(points, x, key="tokens", value="accuracy"):
-    """`value` at `key` = x, linear between the evaluated points (held flat past the last);
-    None if a needed point has no value. Points are in step order, the first at x = 0."""
-    pts = [p for p in points if p.get(key) is not None and not math.isnan(p[key])]
-    if not pts:
+    """`value` at `key` = x (decode tokens, forward tokens, seconds), linear between the
+    evaluated points and held flat past the last: the one definition of "accuracy at a
+    budget". None if a needed point has no value or a point has no `key`."""
+    around = _bracket(points, x, key)
+    if around is None or any(p.get(value) is None for p, _ in around):
         return None
-    if x >= pts[-1][key]:
-        return pts[-1][value]
-    for a, b in zip(pts, pts[1:]):
-        if a[key] <= x <= b[key]:
-            if a[value] is None or b[value] is None:
-                return None
-            w = 0.0 if b[key] == a[key] else (x - a[key]) / (b[key] - a[key])
-            return a[value] + w * (b[value] - a[value])
-    return pts[0][value]
+    return sum(w * p[value] for p, w in around)
+
+
+def per_problem_at(points, x, key="tokens", field="correct"):
+    """`interpolate_at` problem by problem: the list of each problem's `field`
+    (`evaluation.problem_outcomes`) at `key` = x, linear between the evaluated points (so its
+    mean is `interpolate_at`'s accuracy); None if a needed point has no per-problem record."""
+    around = _bracket(points, x, key)
+    if around is None or any(not p.get("per_problem") for p, _ in around):
+        return None
+    rows = [[w * v for v in p["per_problem"][field]] for p, w in around]
+    return [sum(col) for col in zip(*rows)]
 
 
 def first_crossing(points, target, key="tokens", value="accuracy"):
     """The `key` (tokens, seconds) at which `value` first reaches `target`, linear between the
-    evaluated points; None if it never does."""
+    evaluated points; None if it never does. Points without a value or a `key` are left out.
+
+    Biased early: a noisy curve crosses a level the first time noise lifts it there, so the
+    first crossing comes on average before the crossing of the mean curve, the more so the
+    noisier the checkpoints and the flatter the curve near the target.
+    """
+    pts = [p for p in points if _has(p, value) and _has(p, key)]
     prev = None
-    for p in points:
-        v = p.get(value)
-        if v is not None and v >= target - 1e-9:
-            if prev is None or prev[value] is None:
+    for p in pts:
+        if p[value] >= target - 1e-9:
+            if prev is None:
                 return p[key]
-            w = (target - prev[value]) / (v - prev[value])
+            w = (target - prev[value]) / (p[value] - prev[value])
             return prev[key] + w * (p[key] - prev[key])
         prev = p
     return None
 
 
-def _equal_compute(row, runs, start, target, budget, seconds):
-    """The interpolated equal-compute figures of one arm's row (added in place)."""
-    pts = [[start, *p] for p in runs.values()]
-    if budget is not None:
-        at = [interpolate_at(p, budget) for p in pts]
-        row["accuracy_at_budget_interp"] = stat(at)
-        row["accuracy_at_budget_per_seed"] = dict(zip(sorted(runs), at))
-    if target is not None and budget:
+def _equal_compute(row, runs, target, budgets):
+    """The interpolated equal-compute figures of one arm's row (added in place); `runs`:
+    {seed: points from step 0}, seeds in order; `budgets`: outcome's mean totals by key."""
+    seeds, pts = list(runs), list(runs.values())
+    if budgets.get("tokens") is not None:
+        at = [interpolate_at(p, budgets["tokens"]) for p in pts]
+        row["accuracy_at_budget"] = stat(at)
+        row["accuracy_at_budget_per_seed"] = dict(zip(seeds, at))
+    if budgets.get("forward_tokens") is not None:
+        row["accuracy_at_forward_budget"] = stat(
+            [interpolate_at(p, budgets["forward_tokens"], "forward_tokens") for p in pts])
+    if target is not None and budgets.get("tokens"):
         reach = [first_crossing(p, target) for p in pts]
-        row["tokens_to_target_share"] = [None if r is None else r / budget for r in reach]
-    if seconds is not None:
-        row["accuracy_at_seconds"] = stat([interpolate_at(p, seconds, "seconds") for p in pts])
+        row["tokens_to_target_share"] = [None if r is None else r / budgets["tokens"]
+                                         for r in reach]
+    if budgets.get("seconds") is not None:
+        row["accuracy_at_seconds"] = stat(
+            [interpolate_at(p, budgets["seconds"], "seconds") for p in pts])
+
+
+def _problem_matrices(runs, seeds, budget):
+    """Per-problem figures of one arm's `seeds` (seeds x problems): final correct, verified
+    and all steps, and correct at the decode-token `budget`; None if a run lacks them."""
+    finals = [runs[s][-1].get("per_problem") for s in seeds]
+    if not seeds or not all(finals):
+        return None
+    out = {k: [f[k] for f in finals] for k in ("correct", "steps_good", "steps_total")}
+    if budget is not None:
+        at = [per_problem_at(runs[s], budget) for s in seeds]
+        out["at_budget"] = at if all(a is not None for a in at) else None
+    if len({len(row) for rows in out.values() if rows for row in rows}) != 1:
+        return None  # evaluated on different problem sets: nothing to pair
+    return out
+
+
+def _intervals(a, b=None):
+    """Paired bootstrap intervals of final accuracy, step correctness and accuracy at the
+    budget, of `_problem_matrices` `a` or of the difference a - b."""
+    b = b or {}
+    out = {"final_accuracy": paired_bootstrap(a["correct"], reference=b.get("correct"),
+                                              **BOOTSTRAP),
+           "final_step_correctness": paired_bootstrap(
+               a["steps_good"], a["steps_total"], b.get("steps_good"), b.get("steps_total"),
+               **BOOTSTRAP)}
+    if a.get("at_budget") is not None and (not b or b.get("at_budget") is not None):
+        out["accuracy_at_budget"] = paired_bootstrap(a["at_budget"],
+                                                     reference=b.get("at_budget"), **BOOTSTRAP)
+    return out
+
+
+def _add_intervals(row, curves, budget):
+    """95% paired bootstrap intervals over problems and seeds (`stats.paired_bootstrap`): the
+    arm's own figures, and its differences from outcome and from its placebo (on the seeds
+    both have), in row["intervals"]; nothing for runs without per-problem records."""
+    arm = row["arm"]
+    own = _problem_matrices(curves[arm], list(curves[arm]), budget)
+    if own is None:
+        return
+    row["intervals"] = {"self": _intervals(own)}
+    for name, ref in (("vs_outcome", "outcome"), ("vs_placebo", placebo_of(arm))):
+        if ref is None or ref == arm or ref not in curves:
+            continue
+        seeds = [s for s in curves[arm] if s in curves[ref]]
+        a = _problem_matrices(curves[arm], seeds, budget)
+        b = _problem_matrices(curves[ref], seeds, budget)
+        if a is not None and b is not None and len(a["correct"][0]) == len(b["correct"][0]):
+            row["intervals"][name] = {"arm": ref, "seeds": seeds, **_intervals(a, b)}
 
 
 def summarise(curves, base):
-    """Per-arm rows of the table, plus the outcome runs' target accuracy and token budget.
+    """Per-arm rows of the table, plus the outcome runs' target accuracy and budgets.
 
     `curves`: {arm: {seed: [point, ...]}}, points in step order without the base model (step 0),
-    whose figures are `base`. Figures are {"mean", "sd"} over seeds (NaN when no run has one).
+    whose figures are `base`. Figures are {"mean", "sd"} over seeds (NaN when no run has one),
+    per-seed lists in seed order; "intervals" holds 95% paired bootstrap intervals over
+    problems and seeds where the points carry per-problem records.
     """
     start = {"step": 0, "seconds": 0.0, "gen_tokens": 0.0, "scorer_tokens": 0.0, "tokens": 0.0,
-             **base}
+             "forward_tokens": 0.0, **base}
+    curves = {arm: {s: [start, *runs[s]] for s in sorted(runs)} for arm, runs in curves.items()}
     finals = {arm: [pts[-1] for pts in runs.values()] for arm, runs in curves.items()}
-    target = budget = seconds = None
+    target, budgets = None, {}
     if finals.get("outcome"):
         target = mean_std([p["accuracy"] for p in finals["outcome"]])[0]
-        budget = mean_std([p["tokens"] for p in finals["outcome"]])[0]
-        seconds = mean_std([p["seconds"] for p in finals["outcome"]])[0]
         target = None if math.isnan(target) else target
-        budget = None if math.isnan(budget) else budget
-        seconds = None if math.isnan(seconds) else seconds
+        for key in ("tokens", "forward_tokens", "seconds"):
+            m = mean_std([p.get(key) for p in finals["outcome"]])[0]
+            budgets[key] = None if math.isnan(m) else m
     rows = []
     for arm, runs in curves.items():
         last = finals[arm]
-        row = {"arm": arm, "label": LABELS[arm], "seeds": sorted(runs),
+        row = {"arm": arm, "label": ARMS[arm].label, "seeds": list(runs),
                **{f"final_{k}": stat([p[k] for p in last]) for k in METRICS},
                "tokens": stat([p["tokens"] for p in last]),
+               "forward_tokens": stat([p.get("forward_tokens") for p in last]),
                "scorer_tokens": stat([p["scorer_tokens"] for p in last]),
                "train_seconds": stat([p["seconds"] for p in last]),
                "steps": max(p["step"] for p in last)}
         if target is not None:
-            row["steps_to_target"] = [_first_reaching([start, *pts], target)
-                                      for pts in runs.values()]
-        if budget is not None:
-            # The outcome arm defines the budget: its own row is its final accuracy.
-            chosen = last if arm == "outcome" else [_last_within([start, *pts], budget)
-                                                    for pts in runs.values()]
-            chosen = [p for p in chosen if p is not None]
-            row["accuracy_at_budget"] = stat([p["accuracy"] for p in chosen])
-            row["step_at_budget"] = stat([p["step"] for p in chosen])
-        _equal_compute(row, runs, start, target, budget, seconds)
+            row["steps_to_target"] = [_first_reaching(pts, target) for pts in runs.values()]
+        _equal_compute(row, runs, target, budgets)
+        _add_intervals(row, curves, budgets.get("tokens"))
         rows.append(row)
-    return {"target": target, "token_budget": budget, "seconds_budget": seconds, "rows": rows}
+    return {"target": target, "token_budget": budgets.get("tokens"),
+            "forward_token_budget": budgets.get("forward_tokens"),
+            "seconds_budget": budgets.get("seconds"), "rows": rows}
 
 
 def _fmt_reach(values):
@@ -525,64 +654,110 @@ def _k(n):
 
 
 def _fmt_tokens(row):
-    """The tokens cell: k tokens per run, with the step scorer's share when it has one."""
+    """The decode-tokens cell: k tokens per run, with the step scorer's share when it has one."""
     total, scorer = row["tokens"]["mean"], row["scorer_tokens"]["mean"]
     if math.isnan(total):
         return "n/a"
     return _k(total) + (f" (scorer {_k(scorer)})" if scorer and not math.isnan(scorer) else "")
 
 
+def _fmt_k(st):
+    """A k-tokens cell of a {"mean", "sd"} figure."""
+    return "n/a" if math.isnan(st["mean"]) else _k(st["mean"])
+
+
+TOKEN_UNITS = ("Decode tokens: sampled (rollouts + the step scorer's continuations). Forward "
+               "tokens: read without sampling (rollout prompts, the update's forward passes of "
+               "the policy and its reference, the step scorer's prefills and forward passes).")
+CROSSING_NOTE = ("A first crossing is biased early (noise lifts a curve over the level before "
+                 "its mean gets there).")
+
+
 def _equal_compute_table(summary):
-    """The second table: accuracy at outcome's tokens and seconds, interpolated between the
-    evaluated checkpoints, and the share of outcome's tokens needed to reach its accuracy."""
-    budget, seconds, target = (summary["token_budget"], summary.get("seconds_budget"),
-                               summary["target"])
+    """The second table: accuracy at outcome's decode tokens, forward tokens and seconds,
+    interpolated between the evaluated checkpoints, and the share of outcome's decode tokens
+    spent when a run first reaches outcome's final accuracy."""
+    budget, target = summary["token_budget"], summary["target"]
+    forward, seconds = summary.get("forward_token_budget"), summary.get("seconds_budget")
     if budget is None:
         return []
-    lines = ["", "| supervision | acc. at outcome's tokens (interpolated) | per seed | "
-             "outcome's final acc. reached at (share of outcome's tokens, per seed) | "
-             "acc. at outcome's train s | final format rate |", "|---|---|---|---|---|---|"]
+    lines = ["", "| supervision | acc. at outcome's decode tokens | per seed | "
+             "acc. at outcome's forward tokens | outcome's final acc. reached at (share of "
+             "outcome's decode tokens, per seed) | acc. at outcome's train s | "
+             "final format rate |", "|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         seeds = ", ".join("n/a" if v is None else f"{v:.3f}"
                           for v in r.get("accuracy_at_budget_per_seed", {}).values())
         shares = ", ".join("never" if v is None else f"{v:.2f}"
                            for v in r.get("tokens_to_target_share", []))
-        lines.append(f"| {r['label']} | {format_pm(r['accuracy_at_budget_interp'])} | {seeds} | "
+        lines.append(f"| {r['label']} | {format_pm(r['accuracy_at_budget'])} | {seeds} | "
+                     f"{format_pm(r.get('accuracy_at_forward_budget', stat([])))} | "
                      f"{shares} | {format_pm(r.get('accuracy_at_seconds', stat([])))} | "
                      f"{format_pm(r['final_format_rate'])} |")
-    lines += ["", f"Equal compute, interpolated linearly between the evaluated checkpoints "
-              f"(step 0: the base model): accuracy at the outcome runs' mean {_k(budget)}k "
-              f"generated tokens (rollouts + scorer) and at their mean "
-              f"{'n/a' if seconds is None else f'{seconds:.0f}'} training seconds (wall clock "
-              "on a shared machine: noisy); share of those tokens spent when a run's accuracy "
-              f"first reaches {'n/a' if target is None else f'{target:.3f}'}, outcome's mean "
-              "final accuracy."]
+    lines += ["", f"Equal compute, mean ± sd over seeds, interpolated linearly between the "
+              f"evaluated checkpoints (step 0: the base model): accuracy at the outcome runs' "
+              f"mean {_k(budget)}k decode tokens, at their mean "
+              f"{'n/a' if forward is None else _k(forward) + 'k'} forward tokens and at their "
+              f"mean {'n/a' if seconds is None else f'{seconds:.0f}'} training seconds (wall "
+              "clock on a shared machine: noisy); share of those decode tokens spent when a "
+              "run's accuracy first reaches "
+              f"{'n/a' if target is None else f'{target:.3f}'}, outcome's mean final accuracy. "
+              + CROSSING_NOTE + " " + TOKEN_UNITS]
+    return lines
+
+
+def _interval_table(summary):
+    """The third table: 95% paired bootstrap intervals over problems and seeds."""
+    rows = [r for r in summary["rows"] if "intervals" in r]
+    if not rows:
+        return []
+    lines = ["", "| supervision | final accuracy | step correctness | acc. at outcome's "
+             "decode tokens | final acc. - outcome | step corr. - outcome | acc. at outcome's "
+             "decode tokens - outcome | final acc. - placebo |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        iv = r["intervals"]
+        own, vs_o, vs_p = iv["self"], iv.get("vs_outcome", {}), iv.get("vs_placebo", {})
+        lines.append(
+            f"| {r['label']} | {format_interval(own['final_accuracy'])} | "
+            f"{format_interval(own['final_step_correctness'])} | "
+            f"{format_interval(own.get('accuracy_at_budget'))} | "
+            f"{format_interval(vs_o.get('final_accuracy'))} | "
+            f"{format_interval(vs_o.get('final_step_correctness'))} | "
+            f"{format_interval(vs_o.get('accuracy_at_budget'))} | "
+            f"{format_interval(vs_p.get('final_accuracy'))} |")
+    lines += ["", f"Estimate [{BOOTSTRAP['level']:.0%} interval]: paired percentile bootstrap "
+              f"over problems and seeds together ({BOOTSTRAP['n_boot']} resamples, RNG seed "
+              f"{BOOTSTRAP['seed']}; `stats.paired_bootstrap`): every resample draws the seeds "
+              "and the problems with replacement, the same draws for an arm and the arm it is "
+              "compared with (on the seeds both have). Step correctness: verified steps / all "
+              "steps over the resampled problems, per seed. Accuracy at outcome's decode tokens: "
+              "each problem's outcome interpolated between the checkpoints around the budget, "
+              "the budget held fixed. Placebo: the arm's credit spread evenly over each "
+              "completion's tokens (`placebo_of`)."]
     return lines
 
 
 def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
-    """results.md: the table of docs/process_vs_outcome.md, with the definitions under it."""
+    """results.md: the tables of docs/process_vs_outcome.md, with the definitions under them."""
     rows, target, budget = summary["rows"], summary["target"], summary["token_budget"]
     lines = [
         "| supervision | seeds | final accuracy | step correctness | right answer, wrong step | "
-        "think accuracy | tokens (k) | train s | steps to outcome's acc. | "
-        "acc. at outcome's tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "think accuracy | decode tokens (k) | forward tokens (k) | train s | "
+        "steps to outcome's acc. | acc. at outcome's decode tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        at_budget = "n/a"
-        if "accuracy_at_budget" in r and not math.isnan(r["accuracy_at_budget"]["mean"]):
-            at_budget = (f"{format_pm(r['accuracy_at_budget'])} "
-                         f"(step {r['step_at_budget']['mean']:.0f})")
         t = r["train_seconds"]["mean"]
         lines.append(
             f"| {r['label']} | {len(r['seeds'])} | {format_pm(r['final_accuracy'])} | "
             f"{format_pm(r['final_step_correctness'])} | "
             f"{format_pm(r['final_right_answer_wrong_step'])} | "
             f"{format_pm(r['final_think_accuracy'])} | {_fmt_tokens(r)} | "
+            f"{_fmt_k(r.get('forward_tokens', stat([])))} | "
             f"{'n/a' if math.isnan(t) else f'{t:.0f}'} | "
             f"{_fmt_reach(r.get('steps_to_target', [])) if target is not None else 'n/a'} | "
-            f"{at_budget} |")
+            f"{format_pm(r.get('accuracy_at_budget', stat([])))} |")
     lines += [
         "",
         f"Base model ({held_out_name}): accuracy {_opt(base['accuracy'])}, step correctness "
@@ -591,20 +766,20 @@ def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
         "Mean ± sd over seeds, at the last step. Step correctness: fraction of verifier-correct "
         "steps (a missing step counts as wrong) over think-format answers; right answer, wrong "
         "step: among correct think-format answers; think accuracy: accuracy among think-format "
-        "answers. Tokens: generated per run, rollouts + step scorer (scorer = Monte-Carlo "
-        "continuations; the verifier and the PRM generate nothing). Train s: rollouts, scoring "
-        "and updates, evaluation excluded.",
+        "answers. " + TOKEN_UNITS + " Tokens per run; scorer = the step scorer's decode tokens "
+        "(Monte-Carlo continuations; the verifier and the PRM sample nothing). Train s: "
+        "rollouts, scoring and updates, evaluation excluded.",
     ]
     if target is not None:
         lines.append(f"Steps to outcome's acc.: first evaluated step (0 = base model) reaching "
                      f"the outcome runs' mean final accuracy {target:.3f}; mean over the runs "
-                     "that reach it.")
+                     "that reach it. " + CROSSING_NOTE)
     if budget is not None:
-        lines.append(f"Acc. at outcome's tokens: accuracy of each run's last evaluated "
-                     f"checkpoint with at most the outcome runs' mean total of "
-                     f"{_k(budget)}k generated tokens (mean step of that checkpoint in "
-                     "brackets): the equal-generated-tokens comparison.")
+        lines.append(f"Acc. at outcome's decode tokens: accuracy at the outcome runs' mean total "
+                     f"of {_k(budget)}k decode tokens, interpolated linearly between each run's "
+                     "evaluated checkpoints (`interpolate_at`): the equal-tokens comparison.")
     lines += _equal_compute_table(summary)
+    lines += _interval_table(summary)
     if prm_report is not None and any(_uses_prm(r["arm"]) for r in rows):
         h = prm_report.get("held_out", {})
         extra = prm_report.get("sampled_tokens", 0) + prm_report.get("mc_generated_tokens", 0)
@@ -659,13 +834,14 @@ def plot_process_vs_outcome(curves, base, path, token_budget=None, seconds_budge
                 lo = [m[i] - s[i] for i in keep]
                 hi = [m[i] + s[i] for i in keep]
                 ax = axes[row, col]
-                ax.plot(xk, [m[i] for i in keep], marker="o", ms=3, color=COLORS.get(arm),
-                        label=LABELS[arm])
-                ax.fill_between(xk, lo, hi, color=COLORS.get(arm), alpha=0.15, linewidth=0)
+                ax.plot(xk, [m[i] for i in keep], marker="o", ms=3, color=ARMS[arm].color,
+                        label=ARMS[arm].label)
+                ax.fill_between(xk, lo, hi, color=ARMS[arm].color, alpha=0.15, linewidth=0)
     budgets = {1: (token_budget / 1000 if token_budget else None, " outcome's tokens"),
                2: (seconds_budget, " outcome's seconds")}
     for row, name in ((0, "held-out strict accuracy"), (1, "held-out step correctness")):
-        for col, xlabel in ((0, "training step"), (1, "generated tokens (k): rollouts + scorer"),
+        for col, xlabel in ((0, "training step"),
+                            (1, "decode tokens (k): rollouts + scorer continuations"),
                             (2, "training seconds (shared machine)")):
             ax = axes[row, col]
             ax.set_xlabel(xlabel)
@@ -706,7 +882,8 @@ def run_experiment(settings: ExperimentSettings, config: GRPOConfig, arms, seeds
                                      config.eval_examples,
                                      args.train_level_weights)
     base = cached_base_figures(base_model, tokenizer, held_out, device, config,
-                               {"model": args.model, "eval_split": args.eval_split}, out)
+                               {"model": args.model, "eval_split": args.eval_split}, out,
+                               per_problem=True)
     print("base model: " + ", ".join(f"{k} {_opt(base[k])}" for k in METRICS))
     prm_path = prm_report = None
     if any(_uses_prm(arm) for arm in arms):
@@ -809,9 +986,12 @@ def _write_results(curves, base, out, prm_report, record, held_out_name, levels=
         (out / "results.md").write_text(table + "\n")
     plot_process_vs_outcome(curves, base, out / "process_vs_outcome.png",
                             summary["token_budget"], summary.get("seconds_budget"))
+    # per-problem records stay in each run's curve.json: results.json keeps their intervals
+    slim = {arm: {seed: [{k: v for k, v in p.items() if k != "per_problem"} for p in pts]
+                  for seed, pts in runs.items()} for arm, runs in curves.items()}
     atomic_write_json(out / "results.json", jsonable({
-        "base": base, **summary, "curves": curves, "prm": prm_report, "args": record,
-        "levels": levels}))
+        "base": {k: v for k, v in base.items() if k != "per_problem"}, **summary,
+        "curves": slim, "prm": prm_report, "args": record, "levels": levels}))
     print(table)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'process_vs_outcome.png'}")
     return summary

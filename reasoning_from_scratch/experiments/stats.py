@@ -1,6 +1,7 @@
 """Shared pieces of the multi-run experiments (chapter 7's variant table, chapter 8's
-outcome-vs-process study): mean +- sd over seeds, table cells, strict JSON, run directories that
-are reused when finished with the same settings and resumed when interrupted."""
+outcome-vs-process study): mean +- sd over seeds, paired bootstrap intervals over problems and
+seeds, table cells, strict JSON, run directories that are reused when finished with the same
+settings and resumed when interrupted."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import math
 import shutil
 from pathlib import Path
+
+import torch
 
 from ..checkpoints import find_checkpoint
 from ..evaluation import evaluate_policy
@@ -35,6 +38,84 @@ def stat(xs):
     """{"mean", "sd"} of `mean_std(xs)`: a table cell, as results.json holds it."""
     m, s = mean_std(xs)
     return {"mean": m, "sd": s}
+
+
+def bootstrap_draws(n_seeds: int, n_problems: int, n_boot: int = 2000, seed: int = 0):
+    """`n_boot` resamples, with replacement, of the seeds and of the problems: (seed indices
+    (B, S), problem indices (B, N)), from a `torch.Generator` seeded with `seed`. Every arm is
+    read on the same draws, so a difference between two arms is paired: the same problems
+    and the same seeds on both sides."""
+    g = torch.Generator().manual_seed(seed)
+    seeds = torch.randint(n_seeds, (n_boot, n_seeds), generator=g)
+    problems = torch.randint(n_problems, (n_boot, n_problems), generator=g)
+    return seeds, problems
+
+
+def resampled_statistic(values, draws, denominators=None) -> torch.Tensor:
+    """(B,): the statistic of each resample of `draws` (`bootstrap_draws`).
+
+    `values` (S, N): one figure per seed and problem. Each resample takes the mean over its
+    seeds of each seed's mean over its problems; with `denominators` (S, N), each seed's ratio
+    of sums over its problems instead (step correctness: verified steps / all steps), NaN where
+    a resample has no denominator.
+    """
+    seed_idx, prob_idx = draws
+    out = []
+    for lo in range(0, seed_idx.shape[0], 250):  # chunks of resamples: bounded memory
+        rows = (seed_idx[lo:lo + 250, :, None], prob_idx[lo:lo + 250, None, :])
+        x = torch.as_tensor(values, dtype=torch.float64)[rows]  # (b, S, N)
+        if denominators is None:
+            per_seed = x.mean(2)
+        else:
+            d = torch.as_tensor(denominators, dtype=torch.float64)[rows].sum(2)
+            per_seed = torch.where(d > 0, x.sum(2) / d.clamp(min=1e-12), math.nan)
+        out.append(per_seed.mean(1))
+    return torch.cat(out)
+
+
+def paired_bootstrap(values, denominators=None, reference=None, reference_denominators=None,
+                     n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+    """{"mean", "lo", "hi"}: the statistic of `values` (S seeds x N problems; see
+    `resampled_statistic`) and its `level` percentile interval over `n_boot` resamples of
+    problems and seeds together; with `reference` (S, N, same seeds and problems in the same
+    order), of the difference values - reference, both read on the same resamples (paired).
+
+    The interval is the bootstrap's percentile interval (Efron and Tibshirani 1993, ch. 13):
+    it reflects the variation between problems and between seeds; the budget of an "at
+    outcome's tokens" figure is held fixed.
+    """
+    values = torch.as_tensor(values, dtype=torch.float64)
+    if values.ndim != 2 or values.numel() == 0:
+        raise ValueError(f"paired_bootstrap: values must be seeds x problems, got shape "
+                         f"{tuple(values.shape)}")
+    if reference is not None and tuple(torch.as_tensor(reference).shape) != tuple(values.shape):
+        raise ValueError(f"paired_bootstrap: reference has shape "
+                         f"{tuple(torch.as_tensor(reference).shape)}, values "
+                         f"{tuple(values.shape)}: pair the same seeds and problems")
+    full = (torch.arange(values.shape[0])[None], torch.arange(values.shape[1])[None])
+    draws = bootstrap_draws(*values.shape, n_boot=n_boot, seed=seed)
+    point = resampled_statistic(values, full, denominators)  # (1,): the data themselves
+    samples = resampled_statistic(values, draws, denominators)  # (B,)
+    if reference is not None:
+        point = point - resampled_statistic(reference, full, reference_denominators)
+        samples = samples - resampled_statistic(reference, draws, reference_denominators)
+    samples = samples[~torch.isnan(samples)]
+    if samples.numel() == 0:
+        return {"mean": float(point[0]), "lo": math.nan, "hi": math.nan}
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(samples, q).tolist()
+    return {"mean": float(point[0]), "lo": lo, "hi": hi}
+
+
+def format_interval(st, digits=3):
+    """A table cell "mean [lo, hi]" ("n/a" without a mean)."""
+    m = st.get("mean") if st else None
+    if m is None or math.isnan(m):
+        return "n/a"
+    lo, hi = st.get("lo"), st.get("hi")
+    if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
+        return f"{m:.{digits}f}"
+    return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
 def format_pm(st, digits=3):
@@ -84,17 +165,22 @@ def resume_point(run_dir, settings):
     return resume
 
 
-def cached_base_figures(model, tokenizer, held_out, device, config, identity: dict, out: Path):
+def cached_base_figures(model, tokenizer, held_out, device, config, identity: dict, out: Path,
+                        per_problem: bool = False):
     """The base model's held-out figures (step 0 of every curve), evaluated once per setting and
-    cached in out/base.json; `identity` names what else the figures depend on (model, split)."""
+    cached in out/base.json; `identity` names what else the figures depend on (model, split).
+    With `per_problem`, also its per-problem outcomes (`evaluation.problem_outcomes`, under
+    "per_problem"; a cached file without them is evaluated again)."""
     settings = {**identity, "eval_examples": config.eval_examples,
                 "max_new_tokens": config.eval_max_new_tokens or config.max_new_tokens}
     path = Path(out) / "base.json"
     if path.is_file():
         saved = json.loads(path.read_text())
-        if saved.get("settings") == settings:
+        if saved.get("settings") == settings and (
+                not per_problem or "per_problem" in saved["figures"]):
             return saved["figures"]
     figures = evaluate_policy(model, tokenizer, held_out[:config.eval_examples], device,
-                              config.eval_tokens, config.eval_batch_size)
+                              config.eval_tokens, config.eval_batch_size,
+                              per_problem=per_problem)
     atomic_write_json(path, {"settings": settings, "figures": jsonable(figures)})
     return figures
