@@ -19,6 +19,8 @@ they run, they are clean, they match the package, their text agrees with their o
   notebooks/solutions/chNN_solutions.ipynb, that answers each under a `## N.k` heading.
 - No code cell is longer than 30 lines: a cell does one job (drawing code lives in
   notebooks/figures/, long functions are split into helpers).
+- The `[notebooks]` extra of pyproject.toml installs what opening them takes (JupyterLab, its
+  kernel, matplotlib), and the README and chapter 2 say how to open them.
 - Every image a notebook's text shows exists; the diagrams under notebooks/figures/ can be
   redrawn by the scripts beside them (notebooks/figures/*_diagrams.py); chapters 6 and 7 show
   at least 8 figures each (embedded diagrams plus plots among the outputs).
@@ -121,6 +123,26 @@ def untwinned_definitions(nb):
         if isinstance(value, ast.Name) and value.id in package_bindings:
             twins.add(attr)
     return sorted({n for n in defined if not n.startswith("_") and n not in twins})
+
+
+def _requirement_names(requirements):
+    """Distribution names of requirement strings: "jupyterlab>=4.0" -> "jupyterlab"."""
+    return {re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+def test_notebooks_extra_installs_jupyter():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert "notebooks" in extras, 'pyproject.toml has no [notebooks] extra'
+    names = _requirement_names(extras["notebooks"])
+    assert {"jupyterlab", "ipykernel", "matplotlib"} <= names, names
+    assert _requirement_names(["jupyterlab>=4.0", "ipykernel", "matplotlib ; python_version>'3'"]
+                              ) == {"jupyterlab", "ipykernel", "matplotlib"}
+    command = 'pip install -e ".[notebooks]"'
+    chapter2 = _read(NOTEBOOK_DIR / "ch02_model_and_generation.ipynb").cells[0].source
+    for where, text in (("README.md", (ROOT / "README.md").read_text()), ("ch02 cell 0", chapter2)):
+        assert command in text and "jupyter lab notebooks/" in text, f"{where}: how to open them"
 
 
 def test_notebooks_exist():
