@@ -19,9 +19,12 @@ they run, they are clean, they match the package, their text agrees with their o
   notebooks/solutions/chNN_solutions.ipynb, that answers each under a `## N.k` heading.
 - No code cell is longer than 30 lines: a cell does one job (drawing code lives in
   notebooks/figures/, long functions are split into helpers).
+- The `[notebooks]` extra of pyproject.toml installs what opening them takes (JupyterLab, its
+  kernel, matplotlib), and the README and chapter 2 say how to open them.
 - Every image a notebook's text shows exists; the diagrams under notebooks/figures/ can be
   redrawn by the scripts beside them (notebooks/figures/*_diagrams.py); chapters 6 and 7 show
-  at least 8 figures each (embedded diagrams plus plots among the outputs).
+  at least 8 figures each (embedded diagrams plus plots among the outputs), chapters 3, 4, 5
+  and 9 embed at least two diagrams each.
 
 Select these tests with `pytest -m notebooks`, skip them with `pytest -m "not notebooks"`.
 """
@@ -53,6 +56,8 @@ MIN_OUTPUT_SHARE = 0.8
 EXERCISES = (2, 3)  # exercises per chapter, at least and at most
 MAX_CELL_LINES = 30
 MIN_FIGURES = {6: 8, 7: 8}  # chapter -> figures it shows at least
+# chapter -> diagrams of notebooks/figures/ its text embeds at least (the idea, drawn)
+MIN_DIAGRAMS = {2: 3, 3: 2, 4: 2, 5: 2, 9: 2}
 
 
 def _name(path):
@@ -121,6 +126,26 @@ def untwinned_definitions(nb):
         if isinstance(value, ast.Name) and value.id in package_bindings:
             twins.add(attr)
     return sorted({n for n in defined if not n.startswith("_") and n not in twins})
+
+
+def _requirement_names(requirements):
+    """Distribution names of requirement strings: "jupyterlab>=4.0" -> "jupyterlab"."""
+    return {re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+def test_notebooks_extra_installs_jupyter():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert "notebooks" in extras, 'pyproject.toml has no [notebooks] extra'
+    names = _requirement_names(extras["notebooks"])
+    assert {"jupyterlab", "ipykernel", "matplotlib"} <= names, names
+    assert _requirement_names(["jupyterlab>=4.0", "ipykernel", "matplotlib ; python_version>'3'"]
+                              ) == {"jupyterlab", "ipykernel", "matplotlib"}
+    command = 'pip install -e ".[notebooks]"'
+    chapter2 = _read(NOTEBOOK_DIR / "ch02_model_and_generation.ipynb").cells[0].source
+    for where, text in (("README.md", (ROOT / "README.md").read_text()), ("ch02 cell 0", chapter2)):
+        assert command in text and "jupyter lab notebooks/" in text, f"{where}: how to open them"
 
 
 def test_notebooks_exist():
@@ -502,6 +527,21 @@ def test_chapter_shows_its_figures(chapter):
         f"{_name(path)} shows {shown} figures, want at least {MIN_FIGURES[chapter]}")
 
 
+def diagram_count(nb):
+    """Distinct images under figures/ that a notebook's markdown embeds."""
+    return len({link for c in nb.cells if c.cell_type == "markdown"
+                for link in IMAGE_LINK.findall(c.source) if link.startswith("figures/")})
+
+
+@pytest.mark.parametrize("chapter", sorted(MIN_DIAGRAMS))
+def test_chapter_shows_its_diagrams(chapter):
+    (path,) = [p for p in CHAPTERS if _chapter(p) == chapter]
+    shown = diagram_count(_read(path))
+    assert shown >= MIN_DIAGRAMS[chapter], (
+        f"{_name(path)} embeds {shown} diagrams of notebooks/figures/, want at least "
+        f"{MIN_DIAGRAMS[chapter]}")
+
+
 def test_figure_count_counts_images_and_plots():
     nb = nbformat.v4.new_notebook()
     plot = nbformat.v4.new_output("display_data", data={"image/png": "iVBOR", "text/plain": ""})
@@ -509,6 +549,8 @@ def test_figure_count_counts_images_and_plots():
                 nbformat.v4.new_code_cell("plt.show()", outputs=[plot]),
                 nbformat.v4.new_code_cell("print(1)")]
     assert figure_count(nb) == 3
+    nb.cells.append(nbformat.v4.new_markdown_cell("![a again](figures/a.png) ![c](../docs/c.png)"))
+    assert diagram_count(nb) == 2  # figures/a.png once, figures/b.png; docs/ is not a diagram
 
 
 DIAGRAM_SCRIPTS = sorted((NOTEBOOK_DIR / "figures").glob("*_diagrams.py"))
