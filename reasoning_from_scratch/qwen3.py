@@ -16,6 +16,9 @@ The module tree mirrors Hugging Face ``Qwen3ForCausalLM`` attribute for attribut
   prefilled 1-row cache into G rows, letting G rollouts of one prompt share one prefill.
   Keys/values either grow by concatenation (default, differentiable) or live in preallocated
   buffers written in place (``max_len``; what ``generation.generate`` uses for decoding).
+- ``StaticKVCache`` / ``Qwen3Model.decode_static``: a cache whose every tensor keeps its shape
+  for a whole generation (the write position is a tensor), and the one-token step over it: what
+  ``torch.compile`` turns into one graph (``generation.generate(compile=True)``).
 - ``Qwen3Model``: ``model(input_ids, attention_mask=None, cache=None) -> logits (B, T, V)``.
   Batches of prompts of different lengths use left padding plus an attention mask.
 
@@ -67,6 +70,7 @@ __all__ = [
     "Qwen3Decoder",
     "Qwen3Model",
     "KVCache",
+    "StaticKVCache",
 ]
 
 
@@ -597,6 +601,63 @@ class KVCache:
         return self
 
 
+class StaticKVCache:
+    """Fixed-shape keys/values for a compiled decode step (``Qwen3Model.decode_static``).
+
+    Every tensor keeps its shape and storage for a whole generation and is written in place, and
+    the slot the next token writes (``pos``) is a tensor, not a Python int: one compiled graph
+    (one CUDA graph on a GPU) then serves every step, with attention over all ``max_len`` slots
+    and a key mask instead of over a growing filled part.
+
+    keys/values: per layer (R, H_kv, L, D), zero where nothing was written (masked slots are
+    multiplied by zero attention weights, and garbage such as NaN would survive that);
+    key_mask (R, L) bool; next_pos (R,) long, the rotary position of each row's next token;
+    pos (1,) long, the slot the next token writes.
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+                 key_mask: torch.Tensor, next_pos: torch.Tensor, pos: torch.Tensor):
+        self.keys, self.values = keys, values
+        self.key_mask, self.next_pos, self.pos = key_mask, next_pos, pos
+
+    @classmethod
+    def from_cache(cls, cache: KVCache, rows: int, slots: int, start: int = 0) -> StaticKVCache:
+        """Zero buffers of `rows` x `slots` with `cache`'s B rows x S slots at slots
+        [start, start + S): the slots before `start` are extra left padding (masked; rotary
+        positions count real tokens only, so nothing else changes), rows B.. are empty rows.
+        The next token writes slot start + S."""
+        B, S = cache.key_mask.shape
+        if B > rows or start + S > slots:
+            raise ValueError(f"StaticKVCache: a cache of {B} rows x {S} slots from slot {start} "
+                             f"does not fit {rows} x {slots}")
+        keys, values = [], []
+        for k, v in zip(cache.keys, cache.values):
+            for held, out in ((k, keys), (v, values)):
+                buf = held.new_zeros(rows, held.shape[1], slots, held.shape[3])  # (R, H_kv, L, D)
+                buf[:B, :, start : start + S] = held
+                out.append(buf)
+        key_mask = cache.key_mask.new_zeros(rows, slots)  # (R, L) False: empty
+        key_mask[:B, start : start + S] = cache.key_mask
+        next_pos = cache.next_pos.new_zeros(rows)  # (R,)
+        next_pos[:B] = cache.next_pos
+        pos = torch.full((1,), start + S, dtype=torch.long, device=key_mask.device)
+        return cls(keys, values, key_mask, next_pos, pos)
+
+    @property
+    def max_len(self) -> int:
+        return self.key_mask.shape[1]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the decode step writes in place."""
+        return [*self.keys, *self.values, self.key_mask, self.next_pos, self.pos]
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """Write one token's keys/values (R, H_kv, 1, D) at slot `pos`; return all L slots."""
+        self.keys[layer_idx].index_copy_(2, self.pos, k)
+        self.values[layer_idx].index_copy_(2, self.pos, v)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
 def _repeat_rows(x: torch.Tensor, G: int) -> torch.Tensor:
     """Row b of x -> rows b*G..b*G+G-1, as a new tensor.
 
@@ -768,6 +829,31 @@ class Qwen3Model(nn.Module):
             cache.key_mask = key_mask
             cache.next_pos = past_pos + m.sum(dim=-1)
         return self.model.norm(x)
+
+
+    def decode_static(self, token_ids: torch.Tensor, is_real: torch.Tensor,
+                      cache: StaticKVCache) -> torch.Tensor:
+        """Logits (R, V) after one token per row, token_ids/is_real (R,), over a StaticKVCache.
+
+        The same computation as ``forward`` with one new token, but with shapes that never change
+        (attention over all L slots, the empty ones masked) and no host synchronisation, so that
+        ``torch.compile(fullgraph=True, dynamic=False)`` makes one graph of it. Advances the
+        cache: slot ``pos`` written, ``pos`` + 1, ``next_pos`` + 1 where the token is real.
+        """
+        cache.key_mask.index_copy_(1, cache.pos, is_real[:, None])
+        mask = cache.key_mask
+        # A row with no real key (a padding row of the batch) attends everywhere, as in
+        # `forward_hidden`: softmax over nothing is NaN. Its output is never used.
+        mask = mask | ~mask.any(dim=-1, keepdim=True)  # (R, L)
+        cos_table, sin_table = self._rope_tables(cache.max_len)
+        positions = cache.next_pos[:, None]  # (R, 1)
+        cos, sin = cos_table[positions], sin_table[positions]  # (R, 1, D)
+        x = self.model.embed_tokens(token_ids[:, None])  # (R, 1, C)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask[:, None, None, :], cache, i)
+        cache.next_pos.add_(is_real.long())
+        cache.pos.add_(1)
+        return self.lm_head(self.model.norm(x))[:, -1]  # (R, V)
 
 
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,122 @@
+"""The compiled decode step (`generate(compile=True)`): eager's tokens, one graph per shape
+bucket, no graph break, no recompilation within a bucket, eager fallback when compiling fails.
+
+Each compile costs seconds on a CPU, so the tests are few and reuse the graphs they make.
+"""
+
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from reasoning_from_scratch import generation
+from reasoning_from_scratch.generation import generate
+from reasoning_from_scratch.qwen3 import KVCache, Qwen3Model, StaticKVCache, tiny_config
+
+V = 24
+EOS = [1, 2, 3]  # three stop ids out of 24: most rows stop early, some run to the budget
+
+pytestmark = pytest.mark.skipif(
+    not (callable(getattr(torch, "compile", None)) and torch._dynamo.is_dynamo_supported()),
+    reason="torch.compile is not supported on this Python/platform")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Qwen3Model(tiny_config(vocab_size=V)).eval()
+
+
+def prompts(P: int):
+    """Two prompts of length P, the second left padded by 2."""
+    ids = torch.arange(2 * P).reshape(2, P) % (V - 4) + 4
+    mask = torch.ones(2, P, dtype=torch.bool)
+    mask[1, :2] = False
+    return ids, mask
+
+
+def both(model, ids, mask, **kw):
+    """Eager and compiled outputs, each from its own copy of the same generators, and whether
+    the generators ended in the same state."""
+    outs, states = [], []
+    for compile in (False, True):
+        gens = [torch.Generator().manual_seed(10 + b) for b in range(ids.shape[0])]
+        outs.append(generate(model, ids, mask, eos_token_id=EOS, generator=gens,
+                             compile=compile, **kw))
+        states.append([g.get_state() for g in gens])
+    same_rng = all(torch.equal(a, b) for a, b in zip(*states))
+    return outs[0], outs[1], same_rng
+
+
+def assert_same(eager, fast):
+    assert torch.equal(fast.sequences, eager.sequences)
+    assert torch.equal(fast.completion_mask, eager.completion_mask)
+    assert torch.equal(fast.truncated, eager.truncated)
+    if eager.logprobs is not None:
+        torch.testing.assert_close(fast.logprobs, eager.logprobs, atol=1e-5, rtol=0)
+
+
+def test_static_cache_step_equals_the_eager_step(model):
+    """Uncompiled: the static step over a padded, bucketed cache gives the eager logits."""
+    ids, mask = prompts(5)
+    cache = KVCache(model.cfg.num_hidden_layers)
+    with torch.no_grad():
+        model(ids, mask, cache)
+        static = StaticKVCache.from_cache(cache, rows=4, slots=16, start=3)  # 2 empty rows
+        token, real = torch.tensor([7, 9]), torch.tensor([True, False])
+        eager = model(token[:, None], real[:, None], cache, last_only=True)[:, -1]
+        fast = model.decode_static(torch.tensor([7, 9, 0, 0]),
+                                   torch.tensor([True, False, False, False]), static)
+    torch.testing.assert_close(fast[:2], eager, atol=1e-5, rtol=0)
+    assert static.pos.tolist() == [3 + 5 + 1] and static.next_pos.tolist() == [6, 3, 0, 0]
+    assert torch.isfinite(fast).all()  # empty rows attend to zeros, not to NaN
+
+
+def test_compiled_tokens_equal_eager_and_one_graph_serves_a_bucket(model):
+    counters.clear()
+    # greedy, batched with left padding
+    eager, fast, _ = both(model, *prompts(5), max_new_tokens=20)
+    assert model not in generation._COMPILE_FAILURES, generation._COMPILE_FAILURES.get(model)
+    assert_same(eager, fast)
+    # sampled (fp32): the same uniforms give the same tokens; G = 3 rows per prompt (6 rows,
+    # padded to 8), top-k and top-p inside the step, early EOS: the generators are rewound to
+    # where the eager loop stopped drawing
+    kw = dict(max_new_tokens=40, temperature=0.9, top_p=0.8, top_k=12, num_return_sequences=3,
+              return_logprobs=True)
+    eager, fast, same_rng = both(model, *prompts(5), **kw)
+    assert_same(eager, fast)
+    assert same_rng
+    assert fast.completion_ids.shape[1] < 40 and fast.lengths.min() < fast.lengths.max()
+    assert not counters["graph_break"]  # fullgraph: a break would have failed the compile
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2  # one per sampling setting
+    # Other prompt lengths in the same bucket (<= 16): no new graph, no recompilation.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for P in (3, 9, 16):
+            eager, fast, same_rng = both(model, *prompts(P), **kw)
+            assert_same(eager, fast)
+            assert same_rng
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compile_failure_falls_back_to_eager_with_one_warning(model, monkeypatch):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler here")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(generation, "_COMPILED", {})
+    monkeypatch.setattr(generation, "_COMPILE_FAILURES", weakref.WeakKeyDictionary())
+    ids, mask = prompts(5)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler here.*decoding eagerly"):
+        out = generate(model, ids, mask, max_new_tokens=6, compile=True)
+    assert torch.equal(out.sequences, generate(model, ids, mask, max_new_tokens=6).sequences)
+    assert "no C++ compiler" in generation._COMPILE_FAILURES[model]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # remembered: no second attempt, no second warning
+        again = generate(model, ids, mask, max_new_tokens=6, compile=True)
+    assert torch.equal(again.sequences, out.sequences)
