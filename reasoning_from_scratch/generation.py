@@ -41,6 +41,7 @@ __all__ = [
     "row_uniforms",
     "sample_next_token",
     "pick_token",
+    "compile_decoding",
     "generate",
     "sample_response",
     "sample_rollouts",
@@ -293,6 +294,14 @@ def _compiled_step(model, device: torch.device) -> Callable[..., None]:
     return step
 
 
+def compile_decoding(compile: bool | None, device) -> bool:
+    """Whether to decode with the compiled step: `compile`, or for None the default per device,
+    on for CUDA (launch-bound decode steps: the step's kernels run as one CUDA graph) and off
+    elsewhere (on a CPU the small matmuls, the same compiled or not, dominate a step; see
+    docs/speed.md for the measurements)."""
+    return torch.device(device).type == "cuda" if compile is None else bool(compile)
+
+
 def _bucket(n: int, smallest: int) -> int:
     """The power of two >= max(n, smallest): the shape a compiled graph is made for."""
     return 1 << (max(n, smallest) - 1).bit_length()
@@ -307,14 +316,16 @@ def _generator_list(generator: Generators, device: torch.device) -> list[torch.G
     return [generator] if isinstance(generator, torch.Generator) else list(generator)
 
 
-def _generate_static(model, input_ids, attention_mask, G, max_new_tokens, temperature, top_p,
-                     top_k, eos, pad_token_id, generator, return_logprobs):
+def _generate_static(model, input_ids, attention_mask, cache, G, max_new_tokens, temperature,
+                     top_p, top_k, eos, pad_token_id, generator, return_logprobs):
     """`generate`'s compiled path -> (ids (B*, T), mask (B*, T), logps (B*, T), finished (B*,)).
 
-    The prompt is prefilled eagerly (its length changes every call), then copied into a
-    StaticKVCache of a bucketed shape: rows padded to a power of two (empty rows, finished from
-    the start) and length = prompt bucket (a power of two >= 16) + max_new_tokens, so calls with
-    other prompt lengths in the same bucket reuse the compiled step. The uniforms are drawn on
+    The prompt is prefilled eagerly (its length changes every call; on top of `cache` if one is
+    given, which is not extended past the prompt), then copied into a StaticKVCache of a
+    bucketed shape: rows padded to a power of two (empty rows, finished from the start) and
+    length = prompt bucket + new-token bucket (powers of two >= 16), so calls with other prompt
+    lengths or budgets in the same buckets reuse the compiled step; exactly `max_new_tokens`
+    steps run. The uniforms are drawn on
     the host side exactly as the eager loop draws them (`row_uniforms`, one (B*, 1) per token);
     when every row has finished before the check, the generators are rewound to where the eager
     loop would have stopped drawing, so a generator shared by later calls sees the same state.
@@ -322,24 +333,25 @@ def _generate_static(model, input_ids, attention_mask, G, max_new_tokens, temper
     dev = input_ids.device
     B, P = input_ids.shape
     BG, N = B * G, max_new_tokens
-    R, P_bucket = _bucket(BG, 1), _bucket(P, 16)
-    prefill = KVCache(model.cfg.num_hidden_layers)
+    prefill = KVCache(model.cfg.num_hidden_layers) if cache is None else cache
+    P += prefill.seq_len  # slots the prompt's cache will hold
+    R, P_bucket, N_bucket = _bucket(BG, 1), _bucket(P, 16), _bucket(N, 16)
     logits = model(input_ids, attention_mask, prefill, last_only=True)[:, -1]  # (B, V)
     if G > 1:
         prefill.expand(G)
         logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
-    cache = StaticKVCache.from_cache(prefill, R, P_bucket + N, start=P_bucket - P)
-    del prefill
+    static = StaticKVCache.from_cache(prefill, R, P_bucket + N_bucket, start=P_bucket - P)
+    del prefill, cache
     state = _DecodeState(
         token=torch.full((R,), pad_token_id, dtype=torch.long, device=dev),
         real=torch.zeros(R, dtype=torch.bool, device=dev),
         finished=torch.arange(R, device=dev) >= BG,  # empty rows are finished from the start
         col=torch.zeros(1, dtype=torch.long, device=dev),
-        ids=torch.full((R, N), pad_token_id, dtype=torch.long, device=dev),
-        mask=torch.zeros(R, N, dtype=torch.bool, device=dev),
-        logps=torch.zeros(R, N, dtype=torch.float32, device=dev))
+        ids=torch.full((R, N_bucket), pad_token_id, dtype=torch.long, device=dev),
+        mask=torch.zeros(R, N_bucket, dtype=torch.bool, device=dev),
+        logps=torch.zeros(R, N_bucket, dtype=torch.float32, device=dev))
     if dev.type == "cuda":  # updated in place: CUDA graphs may keep their addresses
-        for t in [*cache.tensors(), *state.tensors()]:
+        for t in [*static.tensors(), *state.tensors()]:
             torch._dynamo.mark_static_address(t)
     sampling = not _greedy(temperature)
     gens = _generator_list(generator, dev) if sampling else []
@@ -362,7 +374,7 @@ def _generate_static(model, input_ids, attention_mask, G, max_new_tokens, temper
                                                                               logits.shape[1])])
             _record(state, first, r, *setting)
         else:
-            step(cache, state, r, *setting)
+            step(static, state, r, *setting)
         if eos is not None and (s % CHECK_EVERY == CHECK_EVERY - 1 or s == N - 1) \
                 and bool(state.finished[:BG].all()):
             last = int(state.mask[:BG].sum(dim=1).max()) - 1  # where the eager loop stopped
@@ -426,7 +438,8 @@ def generate(
     buckets, sampling inside the step, EOS checked by the host every CHECK_EVERY tokens): the
     same tokens as eager under the same uniforms (the logits agree up to float rounding of
     fused kernels), faster steps once compiled, but each new shape bucket compiles first
-    (seconds on a CPU). A `callback` or a given `cache` decodes eagerly.
+    (seconds on a CPU). A given `cache` then holds the prompt only; a `callback` decodes
+    eagerly.
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -448,10 +461,10 @@ def generate(
         completion_mask = torch.zeros(BG, 0, dtype=torch.bool, device=dev)
         logps, finished = torch.zeros(BG, 0, device=dev), torch.zeros(BG, dtype=torch.bool,
                                                                       device=dev)
-    elif compile and cache is None and callback is None:
+    elif compile and callback is None:
         completion_ids, completion_mask, logps, finished = _generate_static(
-            model, input_ids, attention_mask, G, max_new_tokens, temperature, top_p, top_k, eos,
-            pad_token_id, generator, return_logprobs)
+            model, input_ids, attention_mask, cache, G, max_new_tokens, temperature, top_p,
+            top_k, eos, pad_token_id, generator, return_logprobs)
     else:
         if cache is None:
             cache = KVCache(model.cfg.num_hidden_layers, max_len=0 if preallocate else None)
@@ -610,6 +623,7 @@ def sample_rollouts_batch(
     top_k: int | None = None,
     generator: Generators = None,
     return_logprobs: bool = False,
+    compile: bool = False,
 ) -> list[Rollouts]:
     """G completions of each of N prompts, all decoded as one (N*G)-row batch.
 
@@ -617,7 +631,8 @@ def sample_rollouts_batch(
     so a GRPO step with several prompts runs one decoding loop instead of N. `return_logprobs`:
     each Rollouts also carries the sampler's token log-probs (see `generate`). `generator`: one
     for the whole batch, or N (one per prompt, drawing for its G rows): then a prompt's
-    rollouts are the same whichever prompts share the batch (data-parallel GRPO).
+    rollouts are the same whichever prompts share the batch (data-parallel GRPO). `compile`:
+    `generate`'s compiled decode step (the same tokens).
     """
     encoded, out, texts = _generate_from_texts(
         model,
@@ -631,6 +646,7 @@ def sample_rollouts_batch(
         top_k=top_k,
         generator=generator,
         return_logprobs=return_logprobs,
+        compile=compile,
     )
     groups = []
     for n, ids in enumerate(encoded):
@@ -688,8 +704,10 @@ def generate_batch(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    compile: bool = False,
 ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-    """Complete different prompts in one left-padded batch -> (texts, ids, mask)."""
+    """Complete different prompts in one left-padded batch -> (texts, ids, mask); `compile`:
+    `generate`'s compiled decode step."""
     _, out, texts = _generate_from_texts(
         model,
         tokenizer,
@@ -700,6 +718,7 @@ def generate_batch(
         temperature=temperature,
         top_p=top_p,
         generator=generator,
+        compile=compile,
     )
     return texts, out.completion_ids, out.completion_mask
 
@@ -769,6 +788,7 @@ def branch_continuations(
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     batch_size: int = 64,
+    compile: bool = False,
 ) -> Branches:
     """One sampled continuation of `sequences[i][:n]` for every `(i, n)` in `cuts`.
 
@@ -777,7 +797,8 @@ def branch_continuations(
     prefix's last token, so a prefix is never recomputed however many continuations or step
     boundaries share it (the tree of VinePPO's Monte-Carlo values, arXiv 2410.01679,
     branches from one computed trunk). `max_new_tokens`: one budget, or one per cut (rows are
-    batched by budget, so a short budget does not wait for long ones). Returns `Branches`.
+    batched by budget, so a short budget does not wait for long ones). `compile`: `generate`'s
+    compiled decode step (the same tokens). Returns `Branches`.
     """
     budgets = ([int(max_new_tokens)] * len(cuts) if isinstance(max_new_tokens, int)
                else [int(b) for b in max_new_tokens])
@@ -811,7 +832,7 @@ def branch_continuations(
             branch = gather_cache_rows(cache, rows, lengths)
         gen = generate(model, last, max_new_tokens=max(budgets[c] for c in chunk),
                        temperature=temperature, top_p=top_p, eos_token_id=eos_token_id,
-                       generator=generator, cache=branch, preallocate=False)
+                       generator=generator, cache=branch, preallocate=False, compile=compile)
         generated += int(gen.lengths.sum())
         for r, c in enumerate(chunk):
             ids = gen.completion_ids[r][gen.completion_mask[r]].tolist()

@@ -64,6 +64,7 @@ __all__ = [
     "RMSNorm",
     "compute_rope_params",
     "apply_rope",
+    "one_query_attention",
     "GroupedQueryAttention",
     "FeedForward",
     "TransformerBlock",
@@ -339,6 +340,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return x * cos + rotated * sin
 
 
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        attn_mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) + mask) v for one query per row, written as plain matmuls.
+
+    q (B, H, 1, D); k, v (B, H_kv, L, D); attn_mask (B, 1, 1, L) bool, True = may attend. The
+    same result as ``F.scaled_dot_product_attention(..., enable_gqa=True)`` up to rounding, but
+    a compiler fuses it into a few small kernels, where SDPA's CPU kernel, built for long
+    queries, spent more time than the rest of a compiled decode step together (tiny model).
+    Query head h uses key/value head h // (H / H_kv), as ``enable_gqa`` does. Run eagerly
+    (not under ``torch.compile``) it is SDPA: the products would be materialised there.
+    """
+    if not torch.compiler.is_compiling():  # eager (a failed compile): SDPA is faster there
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+    B, H, _, D = q.shape
+    H_kv = k.shape[1]
+    q = q.reshape(B, H_kv, H // H_kv, D)  # (B, H_kv, group, D): a group shares its key head
+    # Products and sums rather than batched matmuls: one query is a reduction the compiler
+    # fuses, where CPU bmm pays a call per (row, head) of a few hundred multiply-adds.
+    scores = (q[:, :, :, None] * k[:, :, None]).sum(-1).float() * D**-0.5  # (B, H_kv, group, L)
+    scores = scores.masked_fill(~attn_mask, float("-inf"))  # mask (B, 1, 1, L) broadcasts
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = (weights[..., None] * v[:, :, None]).sum(-2)  # (B, H_kv, group, D)
+    return out.reshape(B, H, 1, D)
+
+
 class GroupedQueryAttention(nn.Module):
     """Causal self-attention where groups of query heads share one key/value head."""
 
@@ -373,12 +399,15 @@ class GroupedQueryAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)  # (B, H_kv, S, D)
-        # Query head h uses key/value head h // group_size. `enable_gqa` does exactly what
-        # `k.repeat_interleave(group_size, dim=1)` would, without copying the whole cache
-        # every decoding step (tests compare it with the explicit repeat).
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=True
-        )  # (B, H, T, D)
+        if isinstance(cache, StaticKVCache):
+            out = one_query_attention(q, k, v, attn_mask)  # (B, H, 1, D)
+        else:
+            # Query head h uses key/value head h // group_size. `enable_gqa` does exactly what
+            # `k.repeat_interleave(group_size, dim=1)` would, without copying the whole cache
+            # every decoding step (tests compare it with the explicit repeat).
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=True
+            )  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(out)
 

@@ -90,6 +90,7 @@ from .fsdp import (
     shard_model,
     shard_sizes,
 )
+from .generation import compile_decoding
 from .grpo import (
     KL_ESTIMATORS,
     LOSS_TYPES,
@@ -304,6 +305,10 @@ class GRPOConfig:
     chunk_size: int = option(1024,
         "answer positions per lm_head chunk in the log-prob pass (memory bound)",
         rule=at_least(1))
+    compile: bool | None = option(None,
+        "decode rollouts, evaluations and Monte-Carlo step values with one static, compiled "
+        "step (torch.compile; the same tokens; each shape compiles once, seconds on a CPU). "
+        "Default: on for CUDA, off elsewhere (no gain on the CPU, docs/speed.md)")
     # evaluation, logging, checkpoints
     eval_every: int = option(25,
         "evaluate on the held-out set every N steps (0: only before and after)",
@@ -752,7 +757,8 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
 
     def evaluate_now():
         return evaluate_policy(policy, tokenizer, eval_set, device, config.eval_tokens,
-                               config.eval_batch_size, prompt_fn)
+                               config.eval_batch_size, prompt_fn,
+                               compile=compile_decoding(config.compile, device))
 
     bar = tqdm(total=config.steps, initial=run.completed, desc="grpo",
                disable=not config.progress)
@@ -843,14 +849,19 @@ def _save_interrupted(run, stop):
 
 def _process_advantage_fn(model, tokenizer, device, config):
     """Process supervision's token advantages from the config's step scorer (DeepSeekMath
-    section 4.1.3); "mc" continues with the policy being trained."""
-    return make_process_advantage_fn(
+    section 4.1.3); "mc" continues with the policy being trained (decoding compiled as
+    `config.compile` says)."""
+    fn = make_process_advantage_fn(
         tokenizer, config.step_scorer, config.process_variant, config.step_split,
         model=model, device=device, mc_rollouts=config.mc_rollouts,
         mc_max_new_tokens=config.max_new_tokens, mc_temperature=config.temperature,
         alpha=config.process_alpha, credit_control=config.process_credit_control,
         seed=config.seed,
     )
+    scorer = getattr(fn, "step_scorer", None)
+    if hasattr(scorer, "compile"):  # the scorers that decode (Monte-Carlo)
+        scorer.compile = compile_decoding(config.compile, device)
+    return fn
 
 
 def _log_step(run, row, samples):
@@ -991,6 +1002,7 @@ def _rollouts(model, tokenizer, examples, device, config, reward_fn, advantage_f
             record_logprobs=config.tis_cap is not None
             or config.off_policy_mask_threshold is not None,
             reward_normalization=config.reward_normalization, gather_groups=gather_groups,
+            compile=compile_decoding(config.compile, device),
         )
         batches.append(batch)
         shares.append(all_gather_objects(_share_summary(batch, G)))
