@@ -42,6 +42,7 @@ __all__ = [
     "sample_next_token",
     "pick_token",
     "compile_decoding",
+    "warm_up_decoding",
     "generate",
     "sample_response",
     "sample_rollouts",
@@ -317,7 +318,8 @@ def _generator_list(generator: Generators, device: torch.device) -> list[torch.G
 
 
 def _generate_static(model, input_ids, attention_mask, cache, G, max_new_tokens, temperature,
-                     top_p, top_k, eos, pad_token_id, generator, return_logprobs):
+                     top_p, top_k, eos, pad_token_id, generator, return_logprobs,
+                     steps: int | None = None):
     """`generate`'s compiled path -> (ids (B*, T), mask (B*, T), logps (B*, T), finished (B*,)).
 
     The prompt is prefilled eagerly (its length changes every call; on top of `cache` if one is
@@ -329,6 +331,7 @@ def _generate_static(model, input_ids, attention_mask, cache, G, max_new_tokens,
     the host side exactly as the eager loop draws them (`row_uniforms`, one (B*, 1) per token);
     when every row has finished before the check, the generators are rewound to where the eager
     loop would have stopped drawing, so a generator shared by later calls sees the same state.
+    `steps`: stop after this many tokens (a warm-up: `warm_up_decoding`).
     """
     dev = input_ids.device
     B, P = input_ids.shape
@@ -365,7 +368,7 @@ def _generate_static(model, input_ids, attention_mask, cache, G, max_new_tokens,
     step = _compiled_step(model, dev)
     setting = (temperature, top_p, top_k, eos, pad_token_id, return_logprobs)
     last = N - 1  # the last step the eager loop runs
-    for s in range(N):
+    for s in range(N if steps is None else min(N, steps)):
         if s % CHECK_EVERY == 0:
             window, saved = s, [g.get_state() for g in gens]
         r = uniforms()
@@ -386,6 +389,29 @@ def _generate_static(model, input_ids, attention_mask, cache, G, max_new_tokens,
     T = last + 1
     return (state.ids[:BG, :T].clone(), state.mask[:BG, :T].clone(),
             state.logps[:BG, :T].clone(), state.finished[:BG].clone())
+
+
+@torch.no_grad()
+def warm_up_decoding(model, shapes: Sequence[tuple[int, int]], max_new_tokens: int,
+                     temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None,
+                     eos_token_id: int | Sequence[int] | None = None,
+                     return_logprobs: bool = False) -> int:
+    """Compile `generate(compile=True)`'s decode step now for every (rows, prompt length) in
+    `shapes` (each distinct bucket once), with the sampling settings that later calls will use,
+    so that those calls make no new graph. Runs two tokens of a dummy prompt per bucket, on the
+    model's current mode (call it as the decoding will run, e.g. in eval mode). Draws from its
+    own generator: the caller's random state is untouched. Returns the buckets warmed up."""
+    dev = model.device
+    buckets = sorted({(_bucket(rows, 1), _bucket(length, 16)) for rows, length in shapes})
+    eos = _eos_tensor(eos_token_id, dev)
+    pad = int(eos[0]) if eos is not None else 0
+    for rows, length in buckets:
+        ids = torch.full((rows, length), pad, dtype=torch.long, device=dev)
+        mask = torch.ones(rows, length, dtype=torch.bool, device=dev)
+        _generate_static(model, ids, mask, None, 1, max_new_tokens, temperature, top_p, top_k,
+                         eos, pad, torch.Generator(dev).manual_seed(0), return_logprobs,
+                         steps=2)
+    return len(buckets)
 
 
 def _eos_tensor(eos_token_id, device) -> torch.Tensor | None:

@@ -73,6 +73,7 @@ from .distributed import (
     params_checksum,
     rank,
     run_on_main,
+    shard,
     shard_range,
     world_size,
 )
@@ -90,7 +91,7 @@ from .fsdp import (
     shard_model,
     shard_sizes,
 )
-from .generation import compile_decoding
+from .generation import compile_decoding, stop_token_ids, warm_up_decoding
 from .grpo import (
     KL_ESTIMATORS,
     LOSS_TYPES,
@@ -776,6 +777,8 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
             if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
                 stop_if_interrupted(interrupted)
                 _evaluate_step(run, evaluate_now, hook)
+            if compile_decoding(config.compile, device) and run.completed < config.steps:
+                _warm_up_decoding(policy, tokenizer, train_examples, eval_set, config, prompt_fn)
             while run.completed < config.steps:
                 step = run.completed
                 # Stages 1-3: rollouts, rewards, advantages (grpo.collect_rollouts)
@@ -845,6 +848,31 @@ def _save_interrupted(run, stop):
         tqdm.write(f"{stop_reason(stop)}: {path} holds {run.completed} update(s); continue "
                    f"with --resume {run.out}")
     barrier()  # no process exits (and makes torchrun stop the others) before the save
+
+
+def _warm_up_decoding(model, tokenizer, train_examples, eval_set, config, prompt_fn):
+    """Compile the decode step, before the first step, for every shape the run's rollouts and
+    evaluations decode: this process's prompts-per-step x G rows at every prompt-length bucket
+    of the training prompts, and the evaluation's batches (in `evaluation.evaluate`'s order,
+    longest prompts first). No later step then compiles (the Monte-Carlo scorers' shapes aside).
+    """
+    was_training = model.training
+    model.eval()
+    stops = stop_token_ids(tokenizer)
+    start, stop = shard_range(config.prompts_per_step)
+    lengths = {len(tokenizer.encode(prompt_fn(ex["problem"]))) for ex in train_examples}
+    warm_up_decoding(model, [((stop - start) * config.num_rollouts, n) for n in lengths],
+                     config.max_new_tokens, config.temperature, config.top_p,
+                     eos_token_id=stops, return_logprobs=config.tis_cap is not None
+                     or config.off_policy_mask_threshold is not None)
+    mine = shard(eval_set)
+    lengths = sorted((len(tokenizer.encode(prompt_fn(ex["problem"]))) for ex in mine),
+                     reverse=True)
+    batches = [lengths[i:i + config.eval_batch_size]
+               for i in range(0, len(lengths), config.eval_batch_size)]
+    warm_up_decoding(model, [(len(b), b[0]) for b in batches], config.eval_tokens,
+                     eos_token_id=stops)
+    model.train(was_training)
 
 
 def _process_advantage_fn(model, tokenizer, device, config):

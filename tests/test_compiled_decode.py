@@ -120,3 +120,31 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(model, monkeypatch
         warnings.simplefilter("error")  # remembered: no second attempt, no second warning
         again = generate(model, ids, mask, max_new_tokens=6, compile=True)
     assert torch.equal(again.sequences, out.sequences)
+
+
+def test_a_compiled_training_run_makes_no_graph_after_its_warm_up(tiny_dir, tmp_path):
+    """Prompts of different length buckets, rollouts and evaluations compiled: every graph is
+    made before the first step (`training._warm_up_decoding`), none by the steps."""
+    from reasoning_from_scratch.prompts import render_prompt
+    from reasoning_from_scratch.training import GRPOConfig, train_grpo
+    from reasoning_from_scratch.weights import load_pretrained
+
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    long = "+".join(str(i) for i in range(1, 40))  # a prompt in a longer bucket
+    train = [{"problem": p, "answer": "0"} for p in ("2+3", long, "4+5", "6+7")]
+    lengths = [len(tok.encode(render_prompt(ex["problem"]))) for ex in train]
+    assert len({generation._bucket(n, 16) for n in lengths}) == 2, lengths
+    held_out = [{"problem": "3+4", "answer": "7"}, {"problem": "5+6", "answer": "11"}]
+    config = GRPOConfig(steps=4, prompts_per_step=2, num_rollouts=2, max_new_tokens=6,
+                        eval_every=2, eval_examples=2, eval_batch_size=1, sample_every=0,
+                        seed=1, output_dir=str(tmp_path / "run"), progress=False, compile=True)
+    graphs = {}
+
+    def hook(phase, step):
+        if phase == "rollouts":
+            graphs[step] = counters["stats"]["unique_graphs"]
+
+    train_grpo(model, tok, train, held_out, "cpu", config, phase_hook=hook)
+    assert model not in generation._COMPILE_FAILURES, generation._COMPILE_FAILURES.get(model)
+    assert len(graphs) == 4 and len(set(graphs.values())) == 1, graphs
+    assert counters["stats"]["unique_graphs"] == graphs[1]  # the last evaluation too
