@@ -43,6 +43,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from bench_generation import sync, timed
 from bench_grpo_step import PROBLEMS, NoEosTokenizer, even_fraction
 
 from reasoning_from_scratch.cli.arguments import add_seed_argument
@@ -65,8 +66,9 @@ QWEN3_1_7B_CONFIG = Qwen3Config(
 TINY = tiny_config(vocab_size=512)
 
 
-class PartTimeout(Exception):
-    """A part ran past its time limit."""
+class PartTimeout(BaseException):
+    """A part ran past its time limit. A BaseException: code that falls back on an Exception
+    (the compiled decode step falls back to eager) must not catch it and carry on."""
 
 
 @contextlib.contextmanager
@@ -82,20 +84,6 @@ def time_limit(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-
-
-def sync(device):
-    """Wait for the GPU, so that a timer measures finished work."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
 
 
 def decode_shapes(args) -> list[tuple[str, Qwen3Config, int]]:
@@ -130,7 +118,7 @@ def count_syncs(fn) -> int:
 
 def decode_part(label, cfg, rows, args, dtype, results):
     """Tokens/s of ours eager, ours compiled and transformers' static cache at one shape."""
-    dev = args.device
+    dev = torch.device(args.device)
     torch.manual_seed(args.seed)
     model = Qwen3Model(cfg).to(device=dev, dtype=dtype).eval()
     ids = torch.randint(1, cfg.vocab_size, (rows, args.prompt_len), device=dev)
@@ -143,7 +131,7 @@ def decode_part(label, cfg, rows, args, dtype, results):
     tps["ours_eager"][label] = n / timed(ours(False), dev)
     results["compile_s"][label] = timed(ours(True), dev)  # compiles (and runs once)
     tps["ours_fast"][label] = n / timed(ours(True), dev)
-    if torch.device(dev).type == "cuda":
+    if dev.type == "cuda":
         # the loop's syncs: one per CHECK_EVERY tokens (the all-finished check) and the ends
         results["host_syncs_per_token"][label] = count_syncs(ours(True)) / args.new_tokens
     hf = hf_model(model)
@@ -160,6 +148,7 @@ def decode_part(label, cfg, rows, args, dtype, results):
 def grpo_step(model, optimizer, tokenizer, examples, reward, generator, args, device,
               ref=None, beta=0.0, compile=False) -> dict:
     """One GRPO step (rollouts, then a micro-batched update); returns its figures."""
+    device = torch.device(device)
     sync(device)
     t0 = time.perf_counter()
     batch = collect_rollouts(model, tokenizer, examples, device, reward, args.num_rollouts,

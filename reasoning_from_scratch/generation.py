@@ -230,6 +230,17 @@ class _DecodeState:
     def tensors(self) -> list[torch.Tensor]:
         return [self.token, self.real, self.finished, self.col, self.ids, self.mask, self.logps]
 
+    def reset(self, pad_token_id: int, rows: int) -> None:
+        """A fresh start for `rows` real rows; the others are empty, finished from the start."""
+        self.token.fill_(pad_token_id)
+        self.real.zero_()
+        self.finished.copy_(torch.arange(self.finished.shape[0], device=self.finished.device)
+                            >= rows)
+        self.col.zero_()
+        self.ids.fill_(pad_token_id)
+        self.mask.zero_()
+        self.logps.zero_()
+
 
 def _record(state: _DecodeState, logits, r, temperature, top_p, top_k, eos, pad_token_id,
             return_logprobs: bool) -> None:
@@ -317,6 +328,41 @@ def _generator_list(generator: Generators, device: torch.device) -> list[torch.G
     return [generator] if isinstance(generator, torch.Generator) else list(generator)
 
 
+# model -> {shape: (StaticKVCache, _DecodeState)}: the buffers of the shapes a model decoded
+# last, reused by its next call of the same shape, so that a CUDA graph finds its inputs at the
+# addresses it was recorded with (a new address makes it record again).
+_BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BUFFERS_PER_MODEL = 4  # shapes kept per model (e.g. rollouts, evaluation batches)
+
+
+def _buffers(model, prefill: KVCache, R: int, L: int, N: int):
+    """The (StaticKVCache, _DecodeState) for R rows, L slots and N new tokens: reused when the
+    model decoded this shape lately, else allocated (and, on CUDA, marked as fixed addresses)."""
+    k = prefill.keys[0]
+    key = (R, L, N, k.shape[1], k.shape[3], k.dtype, k.device)
+    pool = _BUFFERS.setdefault(model, {})
+    if key in pool:
+        pool[key] = pool.pop(key)  # most recently used last
+        return pool[key]
+    dev = k.device
+    static = StaticKVCache.from_cache(prefill, R, L)
+    state = _DecodeState(
+        token=torch.zeros(R, dtype=torch.long, device=dev),
+        real=torch.zeros(R, dtype=torch.bool, device=dev),
+        finished=torch.zeros(R, dtype=torch.bool, device=dev),
+        col=torch.zeros(1, dtype=torch.long, device=dev),
+        ids=torch.zeros(R, N, dtype=torch.long, device=dev),
+        mask=torch.zeros(R, N, dtype=torch.bool, device=dev),
+        logps=torch.zeros(R, N, dtype=torch.float32, device=dev))
+    if dev.type == "cuda":  # updated in place by the graph: CUDA graphs keep their addresses
+        for t in [*static.tensors(), *state.tensors()]:
+            torch._dynamo.mark_static_address(t)
+    while len(pool) >= _BUFFERS_PER_MODEL:
+        pool.pop(next(iter(pool)))  # the least recently used shape
+    pool[key] = static, state
+    return static, state
+
+
 def _generate_static(model, input_ids, attention_mask, cache, G, max_new_tokens, temperature,
                      top_p, top_k, eos, pad_token_id, generator, return_logprobs,
                      steps: int | None = None):
@@ -343,19 +389,10 @@ def _generate_static(model, input_ids, attention_mask, cache, G, max_new_tokens,
     if G > 1:
         prefill.expand(G)
         logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
-    static = StaticKVCache.from_cache(prefill, R, P_bucket + N_bucket, start=P_bucket - P)
+    static, state = _buffers(model, prefill, R, P_bucket + N_bucket, N_bucket)
+    static.fill(prefill, start=P_bucket - P)
+    state.reset(pad_token_id, BG)
     del prefill, cache
-    state = _DecodeState(
-        token=torch.full((R,), pad_token_id, dtype=torch.long, device=dev),
-        real=torch.zeros(R, dtype=torch.bool, device=dev),
-        finished=torch.arange(R, device=dev) >= BG,  # empty rows are finished from the start
-        col=torch.zeros(1, dtype=torch.long, device=dev),
-        ids=torch.full((R, N_bucket), pad_token_id, dtype=torch.long, device=dev),
-        mask=torch.zeros(R, N_bucket, dtype=torch.bool, device=dev),
-        logps=torch.zeros(R, N_bucket, dtype=torch.float32, device=dev))
-    if dev.type == "cuda":  # updated in place: CUDA graphs may keep their addresses
-        for t in [*static.tensors(), *state.tensors()]:
-            torch._dynamo.mark_static_address(t)
     sampling = not _greedy(temperature)
     gens = _generator_list(generator, dev) if sampling else []
 

@@ -651,26 +651,33 @@ class StaticKVCache:
 
     @classmethod
     def from_cache(cls, cache: KVCache, rows: int, slots: int, start: int = 0) -> StaticKVCache:
-        """Zero buffers of `rows` x `slots` with `cache`'s B rows x S slots at slots
-        [start, start + S): the slots before `start` are extra left padding (masked; rotary
-        positions count real tokens only, so nothing else changes), rows B.. are empty rows.
-        The next token writes slot start + S."""
+        """Zero buffers of `rows` x `slots` holding `cache` as `fill` puts it there."""
+        keys = [k.new_zeros(rows, k.shape[1], slots, k.shape[3]) for k in cache.keys]
+        values = [v.new_zeros(rows, v.shape[1], slots, v.shape[3]) for v in cache.values]
+        static = cls(keys, values, cache.key_mask.new_zeros(rows, slots),
+                     cache.next_pos.new_zeros(rows),
+                     torch.zeros(1, dtype=torch.long, device=cache.key_mask.device))
+        static.fill(cache, start)
+        return static
+
+    def fill(self, cache: KVCache, start: int = 0) -> None:
+        """Hold `cache`'s B rows x S slots at slots [start, start + S), in place: the slots
+        before `start` are extra left padding (masked; rotary positions count real tokens only,
+        so nothing else changes), rows B.. are empty rows, and everything else is zero. The
+        next token writes slot start + S."""
         B, S = cache.key_mask.shape
+        rows, slots = self.key_mask.shape
         if B > rows or start + S > slots:
             raise ValueError(f"StaticKVCache: a cache of {B} rows x {S} slots from slot {start} "
                              f"does not fit {rows} x {slots}")
-        keys, values = [], []
-        for k, v in zip(cache.keys, cache.values):
-            for held, out in ((k, keys), (v, values)):
-                buf = held.new_zeros(rows, held.shape[1], slots, held.shape[3])  # (R, H_kv, L, D)
-                buf[:B, :, start : start + S] = held
-                out.append(buf)
-        key_mask = cache.key_mask.new_zeros(rows, slots)  # (R, L) False: empty
-        key_mask[:B, start : start + S] = cache.key_mask
-        next_pos = cache.next_pos.new_zeros(rows)  # (R,)
-        next_pos[:B] = cache.next_pos
-        pos = torch.full((1,), start + S, dtype=torch.long, device=key_mask.device)
-        return cls(keys, values, key_mask, next_pos, pos)
+        for buf, held in zip([*self.keys, *self.values], [*cache.keys, *cache.values]):
+            buf.zero_()  # (R, H_kv, L, D)
+            buf[:B, :, start : start + S] = held
+        self.key_mask.zero_()  # (R, L) False: empty
+        self.key_mask[:B, start : start + S] = cache.key_mask
+        self.next_pos.zero_()  # (R,)
+        self.next_pos[:B] = cache.next_pos
+        self.pos.fill_(start + S)
 
     @property
     def max_len(self) -> int:
