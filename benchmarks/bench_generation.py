@@ -3,8 +3,13 @@
 - rollouts: one batched `sample_rollouts(G)` vs G sequential `sample_response` calls.
 - prealloc: `generate` with the preallocated KV cache (written in place, the default) vs the
   cache that grows by `torch.cat` every step (`preallocate=False`).
-- compile: `generate(compile=True)` (the decode step through torch.compile) vs eager; the
-  compilation itself happens in an untimed warm-up and is reported separately.
+- compile: `generate(compile=True)` (one static decode step, sampler inside, through
+  torch.compile) vs eager; the compilation itself happens in an untimed warm-up and is
+  reported separately.
+- train-rollouts: the training path's decoding (`sample_rollouts_batch`, as `collect_rollouts`
+  calls it) of the bundled `tiny-arith` model on arithmetic training prompts, compiled vs
+  eager: `--prompts` prompts x G rollouts x `--train-tokens` new tokens, EOS on (rows stop
+  when the model stops), a different batch of prompts every repeat (prompt lengths vary).
 
 prealloc and compile time `generate` with `num_return_sequences=G` (the decoding loop of
 `sample_rollouts`, without the text encoding/decoding). Every path decodes the same number of
@@ -15,6 +20,7 @@ ratio knob / baseline (> 1: the knob is faster). Not a test: numbers depend on t
 
     python benchmarks/bench_generation.py --threads 1              # everything, tiny + 0.6B
     python benchmarks/bench_generation.py --sizes tiny --dtypes float32 --knobs rollouts
+    python benchmarks/bench_generation.py --threads 1 --knobs train-rollouts
 """
 
 import argparse
@@ -23,14 +29,23 @@ import time
 import torch
 
 from reasoning_from_scratch.cli.arguments import add_runtime_arguments, set_threads
+from reasoning_from_scratch.datasets import load_dataset_by_name
 from reasoning_from_scratch.device import get_device
-from reasoning_from_scratch.generation import generate, sample_response, sample_rollouts
+from reasoning_from_scratch.generation import (
+    generate,
+    sample_response,
+    sample_rollouts,
+    sample_rollouts_batch,
+)
+from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, Qwen3Model, tiny_config
 from reasoning_from_scratch.validation import choice_list, positive_int
+from reasoning_from_scratch.weights import load_pretrained
 
 SIZES = ("tiny", "0.6b")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KNOBS = ("rollouts", "prealloc", "compile")
+KNOBS = ("rollouts", "prealloc", "compile", "train-rollouts")
+SIZE_KNOBS = ("rollouts", "prealloc", "compile")  # timed per size and dtype on random weights
 SAMPLING = dict(temperature=0.8, top_p=0.9)
 
 
@@ -132,13 +147,51 @@ def bench_size(size, dtype_name, args, device) -> list[dict]:
     repeats = 1 if large_on_cpu else args.repeats
     params = sum(p.numel() for p in model.parameters()) / 1e6
     rows = []
-    for knob in args.knobs:
+    for knob in [k for k in args.knobs if k in SIZE_KNOBS]:
         row = bench_knob(knob, model, tok, prompt, device, args.num_rollouts, new_tokens, repeats)
         row.update(size=f"{size} ({params:.1f}M)", dtype=dtype_name, new_tokens=new_tokens,
                    repeats=repeats)
         print(format_row(row), flush=True)
         rows.append(row)
     return rows
+
+
+def bench_train_rollouts(args, device) -> dict:
+    """The training path's rollouts of the bundled tiny-arith model, compiled vs eager.
+
+    Repeat i decodes batch i of the training prompts with each path (the same generators, so
+    the same tokens); the first batches compile (every prompt-length bucket the data has), the
+    timed ones follow. Returns a table row (tokens: what was generated, EOS included)."""
+    model, tok = load_pretrained("tiny-arith", device=device, dtype=torch.float32)
+    examples = load_dataset_by_name("arith", split="train", n=args.prompts * (args.repeats + 2))
+    batches = [[render_prompt(ex["problem"]) for ex in examples[i:i + args.prompts]]
+               for i in range(0, len(examples), args.prompts)]
+
+    def run(prompts, compile):
+        gens = [torch.Generator(device=device).manual_seed(i) for i in range(len(prompts))]
+        out = sample_rollouts_batch(model, tok, prompts, args.num_rollouts, device,
+                                    args.train_tokens, temperature=1.0, top_p=1.0,
+                                    generator=gens, compile=compile)
+        return sum(int(r.lengths.sum()) for r in out)
+
+    warm_s = sum(timed(lambda b=b: run(b, True), device) for b in batches[:2])
+    run(batches[0], False)
+    eager_s = fast_s = eager_cpu = fast_cpu = 0.0
+    tokens = 0
+    for b in batches[2:]:
+        c0 = time.thread_time()  # CPU seconds of this thread: robust to other jobs' load
+        eager_s += timed(lambda b=b: run(b, False), device)
+        c1 = time.thread_time()
+        fast_s += timed(lambda b=b: run(b, True), device)
+        eager_cpu, fast_cpu = eager_cpu + c1 - c0, fast_cpu + time.thread_time() - c1
+        tokens += run(b, False)
+    return {"size": "tiny-arith (bundled)", "dtype": "float32", "knob": "train-rollouts",
+            "new_tokens": args.train_tokens, "baseline": "eager decode",
+            "with": "compiled decode", "tokens": tokens, "base_tps": tokens / eager_s,
+            "knob_tps": tokens / fast_s, "ratio": eager_s / fast_s, "repeats": args.repeats,
+            "note": f"{args.prompts} prompts x G={args.num_rollouts}, {args.repeats} batches "
+                    f"summed; thread CPU time {eager_cpu:.2f} vs {fast_cpu:.2f} s = "
+                    f"{eager_cpu / fast_cpu:.2f}x; compile + 2 warm-up batches {warm_s:.1f} s"}
 
 
 HEADER = ("| size | dtype | knob | new tokens | baseline | tok/s | with the knob | tok/s | ratio "
@@ -161,7 +214,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--dtypes", type=choice_list(tuple(DTYPES)), default=["float32", "bfloat16"],
                    help="comma-separated dtypes: float32, bfloat16, float16")
     p.add_argument("--knobs", type=choice_list(KNOBS), default=list(KNOBS),
-                   help="comma-separated knobs to time: rollouts, prealloc, compile")
+                   help="comma-separated knobs to time: rollouts, prealloc, compile, "
+                        "train-rollouts")
+    p.add_argument("--prompts", type=positive_int, default=8,
+                   help="train-rollouts: prompts per batch")
+    p.add_argument("--train-tokens", type=positive_int, default=112,
+                   help="train-rollouts: new-token budget per rollout (the GRPO default)")
     p.add_argument("--num-rollouts", type=positive_int, default=8, help="G, completions per prompt")
     p.add_argument("--new-tokens", type=positive_int, default=128,
                    help="new tokens per completion (tiny size; 0.6B size on a GPU)")
@@ -178,8 +236,13 @@ def main(argv=None) -> list[dict]:
     print(f"device={device} torch {torch.__version__} threads={torch.get_num_threads()} "
           f"G={args.num_rollouts} prompt={args.prompt_len} tokens, temperature 0.8, top-p 0.9, "
           f"best of {args.repeats} (1 at 0.6B on CPU)\n{HEADER}", flush=True)
-    rows = [row for size in args.sizes for dtype in args.dtypes
-            for row in bench_size(size, dtype, args, device)]
+    rows = []
+    if any(k in SIZE_KNOBS for k in args.knobs):
+        rows += [row for size in args.sizes for dtype in args.dtypes
+                 for row in bench_size(size, dtype, args, device)]
+    if "train-rollouts" in args.knobs:
+        rows.append(bench_train_rollouts(args, device))
+        print(format_row(rows[-1]), flush=True)
     print(f"\nall rows:\n{HEADER}\n" + "\n".join(format_row(r) for r in rows))
     return rows
 

@@ -12,6 +12,7 @@ Not a test: numbers depend on the machine.
 
     python benchmarks/bench_grpo_step.py                         # tiny size on the best device
     python benchmarks/bench_grpo_step.py --sizes tiny 0.6b --steps 2
+    python benchmarks/bench_grpo_step.py --paths ours compiled --prompts 8 --max-new-tokens 112
 """
 
 import argparse
@@ -93,7 +94,7 @@ def ours_step(model, ref, opt, tok, prompts, args, device, gen, reward):
     sync(device)
     t0 = time.perf_counter()
     batch = collect_rollouts(model, tok, prompts, device, reward, args.G, args.max_new_tokens,
-                             1.0, 1.0, gen)
+                             1.0, 1.0, gen, compile=getattr(args, "compile_rollouts", False))
     sync(device)
     t1 = time.perf_counter()
     with torch.no_grad():
@@ -172,7 +173,8 @@ def run(size, args, device):
           f"{device} ==")
     results = {}
     for name in args.paths:
-        step_fn = {"book": book_step, "ours": ours_step}[name]
+        step_fn = {"book": book_step, "ours": ours_step, "compiled": ours_step}[name]
+        args.compile_rollouts = name == "compiled"
         model = make_model(size, device).eval()
         ref = copy.deepcopy(model).requires_grad_(False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -183,8 +185,10 @@ def run(size, args, device):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         prompts = prompts_for(args)
+        t_warm = time.perf_counter()
         for _ in range(args.warmup):
             step_fn(model, ref, opt, tok, prompts, args, device, gen, reward)
+        warm_s = time.perf_counter() - t_warm
         totals = {}
         for _ in range(args.steps):
             for k, v in step_fn(model, ref, opt, tok, prompts, args, device, gen, reward).items():
@@ -195,11 +199,16 @@ def run(size, args, device):
         print(f"{name:5s} step {totals['step']:7.2f} s | rollout {totals['rollout']:6.2f} | "
               f"scoring {totals['scoring']:5.2f} | logprob {totals['logprob']:6.2f} | update "
               f"{totals['update']:6.2f} | {totals['tokens'] / totals['step']:8.1f} tok/s | "
-              f"peak {totals['peak_mb']:.0f} MB")
+              f"peak {totals['peak_mb']:.0f} MB | warm-up {warm_s:.1f} s"
+              + (" (compiles the decode step)" if name == "compiled" else ""))
         del model, ref, opt
-    if len(results) == 2:
+    if "book" in results and "ours" in results:
         speedup = results["book"]["step"] / results["ours"]["step"]
         print(f"speed-up per step (book / ours): {speedup:.2f}x")
+    if "ours" in results and "compiled" in results:
+        ours, fast = results["ours"], results["compiled"]
+        print(f"compiled rollouts: step {ours['step'] / fast['step']:.2f}x, rollouts "
+              f"{ours['rollout'] / fast['rollout']:.2f}x faster than eager (after the warm-up)")
     return results
 
 
@@ -219,9 +228,12 @@ def main(argv=None):
     p.add_argument("--beta", type=float, default=0.04, help="KL weight (both paths keep a ref)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per path")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per path")
-    p.add_argument("--paths", nargs="+", default=["book", "ours"], choices=["book", "ours"],
-                   help="implementations to time (on CPU the peak is the process's peak RSS, so "
-                        "run one path per process for separate peaks)")
+    p.add_argument("--paths", nargs="+", default=["book", "ours", "compiled"],
+                   choices=["book", "ours", "compiled"],
+                   help="implementations to time: the book's, ours, ours with compiled rollouts "
+                        "(`collect_rollouts(compile=True)`; the warm-up compiles) (on CPU the "
+                        "peak is the process's peak RSS, so run one path per process for "
+                        "separate peaks)")
     add_threads_argument(p, None, "torch CPU threads (None: default)")
     args = p.parse_args(argv)
     set_threads(args.threads)

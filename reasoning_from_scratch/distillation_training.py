@@ -54,6 +54,7 @@ from .fsdp import (
     shard_model,
     shard_sizes,
 )
+from .generation import compile_decoding
 from .interrupts import (
     DEFAULT_STOP_SIGNALS,
     defer_interrupts,
@@ -131,6 +132,9 @@ class DistillConfig:
         False, "shard the student's weights, gradients and AdamW state over the torchrun "
         "processes (FSDP2, fsdp.py); evaluation runs on an unsharded replica; sharded "
         "checkpoints")
+    compile: bool | None = option(
+        None, "evaluate with generation's static, compiled decode step (torch.compile; the "
+        "same answers). Default: on for CUDA, off elsewhere (no gain on the CPU, docs/speed.md)")
     progress: bool = option(True, "show progress bars")
 
     def __post_init__(self):
@@ -262,7 +266,8 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
 
     def evaluate_now():
         figures = evaluate_policy(policy, tokenizer, eval_set, device,
-                                  config.eval_max_new_tokens, config.eval_batch_size, prompt_fn)
+                                  config.eval_max_new_tokens, config.eval_batch_size, prompt_fn,
+                                  compile=compile_decoding(config.compile, device))
         figures["val_loss"] = (mean_completion_loss(policy, tokenizer, val_docs)
                                if val_docs else None)
         return figures

@@ -169,6 +169,7 @@ def evaluate(
     jsonl_path=None,
     seed=123,
     progress=True,
+    compile=False,
 ):
     """Generate an answer for every example and grade it; returns the summary dict.
 
@@ -176,7 +177,8 @@ def evaluate(
     EOS included), tokens_per_s (generated tokens per second of generation), format_rate, and
     `records`: one dict per example, in input order, with index, problem, ground_truth,
     generated_text, extracted_answer, correct, num_tokens and level (None if the example has
-    none) (also written to `jsonl_path`).
+    none) (also written to `jsonl_path`). `compile`: decode with `generate`'s compiled step
+    (the same answers; each batch shape compiles once).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -209,6 +211,7 @@ def evaluate(
             temperature=temperature,
             top_p=top_p,
             generator=generator,
+            compile=compile,
         )
         gen_seconds += time.perf_counter() - t0
         lengths = completion_mask.sum(dim=1).tolist()  # (B,) real tokens incl. EOS
@@ -256,7 +259,7 @@ def problem_outcomes(records) -> dict[str, list[int]]:
 
 
 def evaluate_policy(model, tokenizer, examples, device, max_new_tokens: int,
-                    batch_size: int = 50, prompt_fn=render_prompt,
+                    batch_size: int = 50, prompt_fn=render_prompt, compile: bool = False,
                     per_problem: bool = False) -> dict:
     """Greedy held-out figures (`EVAL_FIGURES`) and accuracy per level, as a training run logs
     them (GRPO, distillation); with `per_problem`, also `problem_outcomes` under "per_problem".
@@ -265,7 +268,7 @@ def evaluate_policy(model, tokenizer, examples, device, max_new_tokens: int,
     are gathered (in the examples' order) before the figures are computed, on every process.
     """
     res = evaluate(model, tokenizer, shard(examples), device, max_new_tokens=max_new_tokens,
-                   batch_size=batch_size, prompt_fn=prompt_fn, progress=False)
+                   batch_size=batch_size, prompt_fn=prompt_fn, progress=False, compile=compile)
     records = gather_lists(res["records"])
     figures = summarize(records, res["generation_s"])
     # str keys: the same dict before and after a JSON round trip (checkpoints, summary.json)

@@ -4,10 +4,10 @@
   (nucleus) sampling with an optional `torch.Generator`; per-row stop at EOS; G samples of one
   prompt share one prefill (`num_return_sequences`, via `KVCache.expand`). Two speed knobs:
   `preallocate` (default on: the KV cache is allocated once for prompt + max_new_tokens and
-  written in place, see `KVCache`) and `compile` (off by default: the one-token decode step
-  through `torch.compile`, see `compile_decode`). benchmarks/bench_generation.py times both.
-- `compile_decode`: the decode step of a model, compiled once by `torch.compile`, or eager with
-  a warning where compilation fails.
+  written in place, see `KVCache`) and `compile` (off by default: one static decode step, with
+  the sampler inside, through `torch.compile`, see `_generate_static`).
+  benchmarks/bench_generation.py times both.
+- `sample_next_token` / `pick_token`: the sampler, and the same choice given its uniforms.
 - `sample_response`: the book's single-sample contract `(full_token_ids, prompt_len, text)`.
 - `sample_rollouts` / `sample_rollouts_batch`: G completions of one prompt (or of each of N
   prompts) decoded as one batch (GRPO rollouts).
@@ -29,11 +29,10 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
-from .qwen3 import KVCache
+from .qwen3 import KVCache, StaticKVCache
 
 __all__ = [
     "GenerationOutput",
@@ -41,7 +40,9 @@ __all__ = [
     "top_p_filter",
     "row_uniforms",
     "sample_next_token",
-    "compile_decode",
+    "pick_token",
+    "compile_decoding",
+    "warm_up_decoding",
     "generate",
     "sample_response",
     "sample_rollouts",
@@ -152,7 +153,27 @@ def sample_next_token(
 
     `generator`: one torch.Generator, or k of them for B/k rows each (see `row_uniforms`).
     """
-    if temperature is None or temperature <= 0.0:
+    if _greedy(temperature):
+        return logits.argmax(dim=-1)
+    r = row_uniforms(logits.shape[0], generator, logits.device)  # (B, 1)
+    return pick_token(logits, r, temperature, top_p, top_k)
+
+
+def _greedy(temperature: float | None) -> bool:
+    return temperature is None or temperature <= 0.0
+
+
+def pick_token(
+    logits: torch.Tensor,
+    r: torch.Tensor | None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+) -> torch.Tensor:
+    """The token (B,) that `sample_next_token` picks from logits (B, V) given its uniforms r
+    (B, 1) in [0, 1) (None when greedy): a pure function of its inputs, so the compiled decode
+    step runs it on the device with the uniforms drawn outside, and both paths agree."""
+    if _greedy(temperature):
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature  # (B, V)
     if top_k is not None and 0 < top_k < logits.shape[-1]:
@@ -162,14 +183,13 @@ def sample_next_token(
     sorted_idx = None
     if top_p is not None and top_p < 1.0:
         # Same filter as `top_p_filter`, but sample in sorted order and map the index back:
-        # saves the scatter and the renormalisation.
+        # saves the scatter and the renormalisation. Skipped (no sort) when top_p is 1.
         probs, sorted_idx = torch.sort(probs, dim=-1, descending=True)
         probs = probs * _nucleus_keep(probs, top_p)
     # Inverse-transform sampling: the first token whose cumulative mass reaches u ~ U(0, total].
     # One random number per row (cheaper than torch.multinomial on CPU); u > 0 guarantees the
     # chosen token has non-zero probability. Works on unnormalised, filtered probabilities.
     cdf = probs.cumsum(dim=-1)  # (B, V)
-    r = row_uniforms(probs.shape[0], generator, probs.device)  # (B, 1)
     u = (1.0 - r) * cdf[:, -1:]  # (B, 1)
     choice = torch.searchsorted(cdf, u)  # (B, 1)
     if sorted_idx is not None:
@@ -177,45 +197,258 @@ def sample_next_token(
     return choice[:, 0]  # (B,)
 
 
+def _token_logprob(logits: torch.Tensor, nxt: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T)[nxt] (B,), T = 1 when greedy: the sampler's own record."""
+    scaled = logits.float() / (1 if _greedy(temperature) else temperature)
+    return torch.log_softmax(scaled, -1).gather(-1, nxt[:, None])[:, 0]
+
+
 def _decode_logits(model, token_ids: torch.Tensor, is_real: torch.Tensor, cache: KVCache):
     """Next-token logits (B, V) after feeding one token per row, token_ids/is_real (B, 1)."""
     return model(token_ids, is_real, cache, last_only=True)[:, -1]
 
 
-# torch.compile of `_decode_logits`, made on first use (building it imports the compiler).
-_COMPILED: dict = {"fn": None}
+# ----------------------------------------------------------------------------- compiled decoding
+
+# The host looks at "has every row finished?" (a device sync) once per this many tokens; the
+# steps in between run on rows that may all have finished, masked like any finished row.
+CHECK_EVERY = 16
+
+
+@dataclass
+class _DecodeState:
+    """What the static decode step reads and writes in place, R (bucketed) rows, N new tokens."""
+
+    token: torch.Tensor  # (R,) long, the last token chosen (fed next)
+    real: torch.Tensor  # (R,) bool, whether it is a real token (its row had not finished)
+    finished: torch.Tensor  # (R,) bool, the row has produced an EOS
+    col: torch.Tensor  # (1,) long, the output column the next token goes to
+    ids: torch.Tensor  # (R, N) long, the chosen tokens (padding after EOS)
+    mask: torch.Tensor  # (R, N) bool, real tokens
+    logps: torch.Tensor  # (R, N) float, sampler log-probs (zeros unless recorded)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.token, self.real, self.finished, self.col, self.ids, self.mask, self.logps]
+
+    def reset(self, pad_token_id: int, rows: int) -> None:
+        """A fresh start for `rows` real rows; the others are empty, finished from the start."""
+        self.token.fill_(pad_token_id)
+        self.real.zero_()
+        self.finished.copy_(torch.arange(self.finished.shape[0], device=self.finished.device)
+                            >= rows)
+        self.col.zero_()
+        self.ids.fill_(pad_token_id)
+        self.mask.zero_()
+        self.logps.zero_()
+
+
+def _record(state: _DecodeState, logits, r, temperature, top_p, top_k, eos, pad_token_id,
+            return_logprobs: bool) -> None:
+    """Choose each row's next token from logits (R, V) and record it at column `state.col`;
+    a row that had finished gets the pad id, masked. Same rule as the eager loop."""
+    nxt = pick_token(logits, r, temperature, top_p, top_k)  # (R,)
+    if return_logprobs:
+        state.logps.index_copy_(1, state.col, _token_logprob(logits, nxt, temperature)[:, None])
+    is_real = ~state.finished
+    nxt = torch.where(is_real, nxt, torch.full_like(nxt, pad_token_id))
+    if eos is not None:
+        state.finished.copy_(state.finished | torch.isin(nxt, eos))
+    state.ids.index_copy_(1, state.col, nxt[:, None])
+    state.mask.index_copy_(1, state.col, is_real[:, None])
+    state.token.copy_(nxt)
+    state.real.copy_(is_real)
+    state.col.add_(1)
+
+
+def _static_step(model, cache: StaticKVCache, state: _DecodeState, r, temperature, top_p, top_k,
+                 eos, pad_token_id, return_logprobs: bool) -> None:
+    """One decode step on fixed shapes: feed the last token, choose and record the next one.
+    Everything is written in place and nothing is returned, so the step makes no host sync and
+    (under CUDA graphs) no output is overwritten by the next replay."""
+    logits = model.decode_static(state.token, state.real, cache)  # (R, V)
+    _record(state, logits, r, temperature, top_p, top_k, eos, pad_token_id, return_logprobs)
+
+
+# torch.compile of `_static_step` per compile mode, made on first use (building it imports the
+# compiler). One compiled function serves every model (the model is an argument, guarded):
+# each model, shape bucket and sampling setting compiles once.
+_COMPILED: dict = {}
 # model -> why compiling its decode step failed; its later steps run eagerly, without retrying.
 _COMPILE_FAILURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Compiled graphs one process may keep for the decode step (torch's default limit is 8): a run
+# has a few row buckets x prompt buckets x sampling settings (rollouts, evaluation, scorers).
+RECOMPILE_LIMIT = 64
 
 
-def compile_decode(model) -> Callable[[torch.Tensor, torch.Tensor, KVCache], torch.Tensor]:
-    """`step(token_ids (B, 1), is_real (B, 1), cache) -> logits (B, V)`: `model`'s decode step
-    through `torch.compile`, falling back to eager (with one warning) if compilation fails.
+def _compiled_step(model, device: torch.device) -> Callable[..., None]:
+    """`_static_step` through `torch.compile(fullgraph=True, dynamic=False)` (and CUDA graphs,
+    mode="reduce-overhead", on CUDA), or eagerly, with one warning per model, if compiling
+    fails. With fullgraph a failure is raised while tracing, before the step ran, so the state
+    is untouched and the same step runs eagerly."""
+    mode = "reduce-overhead" if device.type == "cuda" else None
 
-    The step is compiled with `dynamic=True`: the filled cache length S changes every step, and
-    symbolic shapes let one compiled graph serve every S instead of recompiling per step. With
-    `fullgraph=True` a failure is raised while tracing, before anything ran, so the cache is
-    untouched and the step can be re-run eagerly. One compiled function serves every model (the
-    model is an argument, guarded by torch.compile): each new architecture, dtype, or batch of
-    one row vs several compiles once more, up to torch.compile's recompile limit (8 by
-    default), beyond which those models decode eagerly. The first call is slow (seconds to
-    tens of seconds on a CPU; minutes for Qwen3-0.6B), the later ones fast.
-    """
-
-    def step(token_ids: torch.Tensor, is_real: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def step(*args) -> None:
         if model not in _COMPILE_FAILURES:
             try:
-                if _COMPILED["fn"] is None:
-                    _COMPILED["fn"] = torch.compile(_decode_logits, dynamic=True, fullgraph=True)
-                return _COMPILED["fn"](model, token_ids, is_real, cache)
+                if mode not in _COMPILED:
+                    _COMPILED[mode] = torch.compile(_static_step, fullgraph=True, dynamic=False,
+                                                    mode=mode)
+                limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+                with torch._dynamo.config.patch(recompile_limit=limit):
+                    return _COMPILED[mode](model, *args)
             except Exception as e:  # compiler missing, unsupported op, recompile limit hit
                 why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
                 _COMPILE_FAILURES[model] = why
                 warnings.warn(f"torch.compile of the decode step failed ({why}); decoding "
-                              "eagerly", RuntimeWarning, stacklevel=2)
-        return _decode_logits(model, token_ids, is_real, cache)
+                              "eagerly", RuntimeWarning, stacklevel=3)
+        return _static_step(model, *args)
 
     return step
+
+
+def compile_decoding(compile: bool | None, device) -> bool:
+    """Whether to decode with the compiled step: `compile`, or for None the default per device,
+    on for CUDA (launch-bound decode steps: the step's kernels run as one CUDA graph) and off
+    elsewhere (on a CPU the small matmuls, the same compiled or not, dominate a step; see
+    docs/speed.md for the measurements)."""
+    return torch.device(device).type == "cuda" if compile is None else bool(compile)
+
+
+def _bucket(n: int, smallest: int) -> int:
+    """The power of two >= max(n, smallest): the shape a compiled graph is made for."""
+    return 1 << (max(n, smallest) - 1).bit_length()
+
+
+def _generator_list(generator: Generators, device: torch.device) -> list[torch.Generator]:
+    """The generators `row_uniforms` draws from (the device's default one for None)."""
+    if generator is None:
+        if device.type == "cuda":
+            return [torch.cuda.default_generators[device.index or torch.cuda.current_device()]]
+        return [torch.default_generator]
+    return [generator] if isinstance(generator, torch.Generator) else list(generator)
+
+
+# model -> {shape: (StaticKVCache, _DecodeState)}: the buffers of the shapes a model decoded
+# last, reused by its next call of the same shape, so that a CUDA graph finds its inputs at the
+# addresses it was recorded with (a new address makes it record again).
+_BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BUFFERS_PER_MODEL = 4  # shapes kept per model (e.g. rollouts, evaluation batches)
+
+
+def _buffers(model, prefill: KVCache, R: int, L: int, N: int):
+    """The (StaticKVCache, _DecodeState) for R rows, L slots and N new tokens: reused when the
+    model decoded this shape lately, else allocated (and, on CUDA, marked as fixed addresses)."""
+    k = prefill.keys[0]
+    key = (R, L, N, k.shape[1], k.shape[3], k.dtype, k.device)
+    pool = _BUFFERS.setdefault(model, {})
+    if key in pool:
+        pool[key] = pool.pop(key)  # most recently used last
+        return pool[key]
+    dev = k.device
+    static = StaticKVCache.from_cache(prefill, R, L)
+    state = _DecodeState(
+        token=torch.zeros(R, dtype=torch.long, device=dev),
+        real=torch.zeros(R, dtype=torch.bool, device=dev),
+        finished=torch.zeros(R, dtype=torch.bool, device=dev),
+        col=torch.zeros(1, dtype=torch.long, device=dev),
+        ids=torch.zeros(R, N, dtype=torch.long, device=dev),
+        mask=torch.zeros(R, N, dtype=torch.bool, device=dev),
+        logps=torch.zeros(R, N, dtype=torch.float32, device=dev))
+    if dev.type == "cuda":  # updated in place by the graph: CUDA graphs keep their addresses
+        for t in [*static.tensors(), *state.tensors()]:
+            torch._dynamo.mark_static_address(t)
+    while len(pool) >= _BUFFERS_PER_MODEL:
+        pool.pop(next(iter(pool)))  # the least recently used shape
+    pool[key] = static, state
+    return static, state
+
+
+def _generate_static(model, input_ids, attention_mask, cache, G, max_new_tokens, temperature,
+                     top_p, top_k, eos, pad_token_id, generator, return_logprobs,
+                     steps: int | None = None):
+    """`generate`'s compiled path -> (ids (B*, T), mask (B*, T), logps (B*, T), finished (B*,)).
+
+    The prompt is prefilled eagerly (its length changes every call; on top of `cache` if one is
+    given, which is not extended past the prompt), then copied into a StaticKVCache of a
+    bucketed shape: rows padded to a power of two (empty rows, finished from the start) and
+    length = prompt bucket + new-token bucket (powers of two >= 16), so calls with other prompt
+    lengths or budgets in the same buckets reuse the compiled step; exactly `max_new_tokens`
+    steps run. The uniforms are drawn on
+    the host side exactly as the eager loop draws them (`row_uniforms`, one (B*, 1) per token);
+    when every row has finished before the check, the generators are rewound to where the eager
+    loop would have stopped drawing, so a generator shared by later calls sees the same state.
+    `steps`: stop after this many tokens (a warm-up: `warm_up_decoding`).
+    """
+    dev = input_ids.device
+    B, P = input_ids.shape
+    BG, N = B * G, max_new_tokens
+    prefill = KVCache(model.cfg.num_hidden_layers) if cache is None else cache
+    P += prefill.seq_len  # slots the prompt's cache will hold
+    R, P_bucket, N_bucket = _bucket(BG, 1), _bucket(P, 16), _bucket(N, 16)
+    logits = model(input_ids, attention_mask, prefill, last_only=True)[:, -1]  # (B, V)
+    if G > 1:
+        prefill.expand(G)
+        logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
+    static, state = _buffers(model, prefill, R, P_bucket + N_bucket, N_bucket)
+    static.fill(prefill, start=P_bucket - P)
+    state.reset(pad_token_id, BG)
+    del prefill, cache
+    sampling = not _greedy(temperature)
+    gens = _generator_list(generator, dev) if sampling else []
+
+    def uniforms() -> torch.Tensor | None:  # (R, 1) this token's draws, zeros for empty rows
+        if not sampling:
+            return None
+        r = row_uniforms(BG, generator, dev)
+        return r if R == BG else torch.cat([r, r.new_zeros(R - BG, 1)])
+
+    step = _compiled_step(model, dev)
+    setting = (temperature, top_p, top_k, eos, pad_token_id, return_logprobs)
+    last = N - 1  # the last step the eager loop runs
+    for s in range(N if steps is None else min(N, steps)):
+        if s % CHECK_EVERY == 0:
+            window, saved = s, [g.get_state() for g in gens]
+        r = uniforms()
+        if s == 0:  # the first token comes from the prefill's logits
+            first = logits if R == BG else torch.cat([logits, logits.new_zeros(R - BG,
+                                                                              logits.shape[1])])
+            _record(state, first, r, *setting)
+        else:
+            step(static, state, r, *setting)
+        if eos is not None and (s % CHECK_EVERY == CHECK_EVERY - 1 or s == N - 1) \
+                and bool(state.finished[:BG].all()):
+            last = int(state.mask[:BG].sum(dim=1).max()) - 1  # where the eager loop stopped
+            for g, st in zip(gens, saved):  # rewind; redraw what the eager loop drew
+                g.set_state(st)
+            for _ in range(window, last + 1):
+                row_uniforms(BG, generator, dev)
+            break
+    T = last + 1
+    return (state.ids[:BG, :T].clone(), state.mask[:BG, :T].clone(),
+            state.logps[:BG, :T].clone(), state.finished[:BG].clone())
+
+
+@torch.no_grad()
+def warm_up_decoding(model, shapes: Sequence[tuple[int, int]], max_new_tokens: int,
+                     temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None,
+                     eos_token_id: int | Sequence[int] | None = None,
+                     return_logprobs: bool = False) -> int:
+    """Compile `generate(compile=True)`'s decode step now for every (rows, prompt length) in
+    `shapes` (each distinct bucket once), with the sampling settings that later calls will use,
+    so that those calls make no new graph. Runs two tokens of a dummy prompt per bucket, on the
+    model's current mode (call it as the decoding will run, e.g. in eval mode). Draws from its
+    own generator: the caller's random state is untouched. Returns the buckets warmed up."""
+    dev = model.device
+    buckets = sorted({(_bucket(rows, 1), _bucket(length, 16)) for rows, length in shapes})
+    eos = _eos_tensor(eos_token_id, dev)
+    pad = int(eos[0]) if eos is not None else 0
+    for rows, length in buckets:
+        ids = torch.full((rows, length), pad, dtype=torch.long, device=dev)
+        mask = torch.ones(rows, length, dtype=torch.bool, device=dev)
+        _generate_static(model, ids, mask, None, 1, max_new_tokens, temperature, top_p, top_k,
+                         eos, pad, torch.Generator(dev).manual_seed(0), return_logprobs,
+                         steps=2)
+    return len(buckets)
 
 
 def _eos_tensor(eos_token_id, device) -> torch.Tensor | None:
@@ -264,9 +497,12 @@ def generate(
     (benchmarks/bench_generation.py, tiny and 0.6B size, up to 416 cached positions); it is the
     default for its one allocation per call instead of one per step and layer. A given
     preallocated `cache` is grown once, up front, to hold this call's tokens too.
-    `compile`: run the decode steps through `compile_decode(model)` (torch.compile; the prefill
-    stays eager): the same computation, so the same logits up to float rounding (fused
-    kernels), and faster steps once compiled, but the first call compiles (see there).
+    `compile`: decode with one static, compiled step (`_generate_static`: fixed-shape cache
+    buckets, sampling inside the step, EOS checked by the host every CHECK_EVERY tokens): the
+    same tokens as eager under the same uniforms (the logits agree up to float rounding of
+    fused kernels), faster steps once compiled, but each new shape bucket compiles first
+    (seconds on a CPU). A given `cache` then holds the prompt only; a `callback` decodes
+    eagerly.
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -283,53 +519,66 @@ def generate(
     prompts = input_ids.repeat_interleave(G, dim=0) if G > 1 else input_ids
     BG = prompts.shape[0]
 
-    tokens: list[torch.Tensor] = []
-    real: list[torch.Tensor] = []
-    logps: list[torch.Tensor] = []
-    finished = torch.zeros(BG, dtype=torch.bool, device=dev)
-    if max_new_tokens > 0:
+    if max_new_tokens <= 0:
+        completion_ids = prompts.new_zeros(BG, 0)
+        completion_mask = torch.zeros(BG, 0, dtype=torch.bool, device=dev)
+        logps, finished = torch.zeros(BG, 0, device=dev), torch.zeros(BG, dtype=torch.bool,
+                                                                      device=dev)
+    elif compile and callback is None:
+        completion_ids, completion_mask, logps, finished = _generate_static(
+            model, input_ids, attention_mask, cache, G, max_new_tokens, temperature, top_p,
+            top_k, eos, pad_token_id, generator, return_logprobs)
+    else:
         if cache is None:
             cache = KVCache(model.cfg.num_hidden_layers, max_len=0 if preallocate else None)
         # Room for the prompt and every fed-back token: no decoding step re-allocates.
         cache.reserve(cache.seq_len + input_ids.shape[1] + max_new_tokens)
-        decode = compile_decode(model) if compile else partial(_decode_logits, model)
-        logits = model(input_ids, attention_mask, cache, last_only=True)[:, -1]  # (B, V)
-        if G > 1:
-            cache.expand(G)  # G rollouts share this prefill
-            logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
-        for step in range(max_new_tokens):
-            nxt = sample_next_token(logits, temperature, top_p, top_k, generator)  # (B*,)
-            if return_logprobs:
-                scaled = logits.float() / (temperature if temperature and temperature > 0 else 1)
-                logps.append(torch.log_softmax(scaled, -1).gather(-1, nxt[:, None])[:, 0])
-            is_real = ~finished
-            nxt = torch.where(is_real, nxt, torch.full_like(nxt, pad_token_id))
-            tokens.append(nxt)
-            real.append(is_real)
-            if eos is not None:
-                finished = finished | torch.isin(nxt, eos)
-            if callback is not None:
-                callback(nxt, is_real)
-            if step == max_new_tokens - 1 or (eos is not None and bool(finished.all())):
-                break
-            # Finished rows keep flowing through the batch but as masked padding.
-            logits = decode(nxt[:, None], is_real[:, None], cache)  # (B*, V)
-
-    if tokens:
-        completion_ids = torch.stack(tokens, dim=1)  # (B*, T_new)
-        completion_mask = torch.stack(real, dim=1)  # (B*, T_new)
-    else:
-        completion_ids = prompts.new_zeros(BG, 0)
-        completion_mask = torch.zeros(BG, 0, dtype=torch.bool, device=dev)
+        completion_ids, completion_mask, logps, finished = _generate_eager(
+            model, input_ids, attention_mask, cache, G, max_new_tokens, temperature, top_p,
+            top_k, eos, pad_token_id, generator, return_logprobs, callback)
     return GenerationOutput(
         sequences=torch.cat([prompts, completion_ids], dim=1),
         completion_ids=completion_ids,
         completion_mask=completion_mask,
         lengths=completion_mask.sum(dim=1),
         truncated=~finished,
-        logprobs=(torch.stack(logps, dim=1) * completion_mask if logps else
-                  torch.zeros(completion_mask.shape, device=dev)) if return_logprobs else None,
+        logprobs=logps * completion_mask if return_logprobs else None,
     )
+
+
+def _generate_eager(model, input_ids, attention_mask, cache, G, max_new_tokens, temperature,
+                    top_p, top_k, eos, pad_token_id, generator, return_logprobs, callback):
+    """`generate`'s eager loop -> (ids (B*, T), mask (B*, T), logps (B*, T), finished (B*,)):
+    one forward per token over the filled part of `cache`, stopping as soon as every row has
+    finished (checked after every token)."""
+    tokens: list[torch.Tensor] = []
+    real: list[torch.Tensor] = []
+    logps: list[torch.Tensor] = []
+    logits = model(input_ids, attention_mask, cache, last_only=True)[:, -1]  # (B, V)
+    if G > 1:
+        cache.expand(G)  # G rollouts share this prefill
+        logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
+    finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    for step in range(max_new_tokens):
+        nxt = sample_next_token(logits, temperature, top_p, top_k, generator)  # (B*,)
+        if return_logprobs:
+            logps.append(_token_logprob(logits, nxt, temperature))
+        is_real = ~finished
+        nxt = torch.where(is_real, nxt, torch.full_like(nxt, pad_token_id))
+        tokens.append(nxt)
+        real.append(is_real)
+        if eos is not None:
+            finished = finished | torch.isin(nxt, eos)
+        if callback is not None:
+            callback(nxt, is_real)
+        if step == max_new_tokens - 1 or (eos is not None and bool(finished.all())):
+            break
+        # Finished rows keep flowing through the batch but as masked padding.
+        logits = _decode_logits(model, nxt[:, None], is_real[:, None], cache)  # (B*, V)
+    mask = torch.stack(real, dim=1)  # (B*, T)
+    return (torch.stack(tokens, dim=1), mask,
+            torch.stack(logps, dim=1) if logps else torch.zeros(mask.shape, device=mask.device),
+            finished)
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -437,6 +686,7 @@ def sample_rollouts_batch(
     top_k: int | None = None,
     generator: Generators = None,
     return_logprobs: bool = False,
+    compile: bool = False,
 ) -> list[Rollouts]:
     """G completions of each of N prompts, all decoded as one (N*G)-row batch.
 
@@ -444,7 +694,8 @@ def sample_rollouts_batch(
     so a GRPO step with several prompts runs one decoding loop instead of N. `return_logprobs`:
     each Rollouts also carries the sampler's token log-probs (see `generate`). `generator`: one
     for the whole batch, or N (one per prompt, drawing for its G rows): then a prompt's
-    rollouts are the same whichever prompts share the batch (data-parallel GRPO).
+    rollouts are the same whichever prompts share the batch (data-parallel GRPO). `compile`:
+    `generate`'s compiled decode step (the same tokens).
     """
     encoded, out, texts = _generate_from_texts(
         model,
@@ -458,6 +709,7 @@ def sample_rollouts_batch(
         top_k=top_k,
         generator=generator,
         return_logprobs=return_logprobs,
+        compile=compile,
     )
     groups = []
     for n, ids in enumerate(encoded):
@@ -515,8 +767,10 @@ def generate_batch(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    compile: bool = False,
 ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-    """Complete different prompts in one left-padded batch -> (texts, ids, mask)."""
+    """Complete different prompts in one left-padded batch -> (texts, ids, mask); `compile`:
+    `generate`'s compiled decode step."""
     _, out, texts = _generate_from_texts(
         model,
         tokenizer,
@@ -527,6 +781,7 @@ def generate_batch(
         temperature=temperature,
         top_p=top_p,
         generator=generator,
+        compile=compile,
     )
     return texts, out.completion_ids, out.completion_mask
 
@@ -596,6 +851,7 @@ def branch_continuations(
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     batch_size: int = 64,
+    compile: bool = False,
 ) -> Branches:
     """One sampled continuation of `sequences[i][:n]` for every `(i, n)` in `cuts`.
 
@@ -604,7 +860,8 @@ def branch_continuations(
     prefix's last token, so a prefix is never recomputed however many continuations or step
     boundaries share it (the tree of VinePPO's Monte-Carlo values, arXiv 2410.01679,
     branches from one computed trunk). `max_new_tokens`: one budget, or one per cut (rows are
-    batched by budget, so a short budget does not wait for long ones). Returns `Branches`.
+    batched by budget, so a short budget does not wait for long ones). `compile`: `generate`'s
+    compiled decode step (the same tokens). Returns `Branches`.
     """
     budgets = ([int(max_new_tokens)] * len(cuts) if isinstance(max_new_tokens, int)
                else [int(b) for b in max_new_tokens])
@@ -638,7 +895,7 @@ def branch_continuations(
             branch = gather_cache_rows(cache, rows, lengths)
         gen = generate(model, last, max_new_tokens=max(budgets[c] for c in chunk),
                        temperature=temperature, top_p=top_p, eos_token_id=eos_token_id,
-                       generator=generator, cache=branch, preallocate=False)
+                       generator=generator, cache=branch, preallocate=False, compile=compile)
         generated += int(gen.lengths.sum())
         for r, c in enumerate(chunk):
             ids = gen.completion_ids[r][gen.completion_mask[r]].tolist()

@@ -591,7 +591,8 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
                      scale_rewards="group", skip_zero_advantage=False, mask_truncated=False,
                      prompt_fn: Callable[[str], str] = render_prompt,
                      advantage_fn=None, record_logprobs=False,
-                     reward_normalization="sum", gather_groups=None) -> RolloutBatch:
+                     reward_normalization="sum", gather_groups=None,
+                     compile=False) -> RolloutBatch:
     """Sample G rollouts per example (one prefill each, all decoded together), score, pack.
 
     reward_fn(text, token_ids, prompt_len, example) -> (total, components) (a `CompositeReward`).
@@ -615,7 +616,8 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
     gather_groups (data-parallel runs, `distributed.gather_groups`): x (N, ...) ->
     (x of every process's groups (N_all, ...), where this process's start); the advantages that
     look beyond a group (scale_rewards "batch", GDPO's batch normalisation) are then computed
-    over the whole batch, as one process holding every group would.
+    over the whole batch, as one process holding every group would. compile: decode with
+    `generation.generate`'s compiled step (the same rollouts).
     """
     if reward_normalization not in REWARD_NORMALIZATIONS:
         raise ValueError(f"reward_normalization must be one of {REWARD_NORMALIZATIONS}, "
@@ -626,7 +628,7 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
     all_rollouts = sample_rollouts_batch(
         model, tokenizer, [prompt_fn(ex["problem"]) for ex in examples], num_rollouts, device,
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, generator=generator,
-        return_logprobs=record_logprobs,
+        return_logprobs=record_logprobs, compile=compile,
     )
     model.train(was_training)
     groups = []

@@ -16,6 +16,9 @@ The module tree mirrors Hugging Face ``Qwen3ForCausalLM`` attribute for attribut
   prefilled 1-row cache into G rows, letting G rollouts of one prompt share one prefill.
   Keys/values either grow by concatenation (default, differentiable) or live in preallocated
   buffers written in place (``max_len``; what ``generation.generate`` uses for decoding).
+- ``StaticKVCache`` / ``Qwen3Model.decode_static``: a cache whose every tensor keeps its shape
+  for a whole generation (the write position is a tensor), and the one-token step over it: what
+  ``torch.compile`` turns into one graph (``generation.generate(compile=True)``).
 - ``Qwen3Model``: ``model(input_ids, attention_mask=None, cache=None) -> logits (B, T, V)``.
   Batches of prompts of different lengths use left padding plus an attention mask.
 
@@ -61,12 +64,14 @@ __all__ = [
     "RMSNorm",
     "compute_rope_params",
     "apply_rope",
+    "one_query_attention",
     "GroupedQueryAttention",
     "FeedForward",
     "TransformerBlock",
     "Qwen3Decoder",
     "Qwen3Model",
     "KVCache",
+    "StaticKVCache",
 ]
 
 
@@ -335,6 +340,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return x * cos + rotated * sin
 
 
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        attn_mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) + mask) v for one query per row, written as plain matmuls.
+
+    q (B, H, 1, D); k, v (B, H_kv, L, D); attn_mask (B, 1, 1, L) bool, True = may attend. The
+    same result as ``F.scaled_dot_product_attention(..., enable_gqa=True)`` up to rounding, but
+    a compiler fuses it into a few small kernels, where SDPA's CPU kernel, built for long
+    queries, spent more time than the rest of a compiled decode step together (tiny model).
+    Query head h uses key/value head h // (H / H_kv), as ``enable_gqa`` does. Run eagerly
+    (not under ``torch.compile``) it is SDPA: the products would be materialised there.
+    """
+    if not torch.compiler.is_compiling():  # eager (a failed compile): SDPA is faster there
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+    B, H, _, D = q.shape
+    H_kv = k.shape[1]
+    q = q.reshape(B, H_kv, H // H_kv, D)  # (B, H_kv, group, D): a group shares its key head
+    # Products and sums rather than batched matmuls: one query is a reduction the compiler
+    # fuses, where CPU bmm pays a call per (row, head) of a few hundred multiply-adds.
+    scores = (q[:, :, :, None] * k[:, :, None]).sum(-1).float() * D**-0.5  # (B, H_kv, group, L)
+    scores = scores.masked_fill(~attn_mask, float("-inf"))  # mask (B, 1, 1, L) broadcasts
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = (weights[..., None] * v[:, :, None]).sum(-2)  # (B, H_kv, group, D)
+    return out.reshape(B, H, 1, D)
+
+
 class GroupedQueryAttention(nn.Module):
     """Causal self-attention where groups of query heads share one key/value head."""
 
@@ -369,12 +399,15 @@ class GroupedQueryAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)  # (B, H_kv, S, D)
-        # Query head h uses key/value head h // group_size. `enable_gqa` does exactly what
-        # `k.repeat_interleave(group_size, dim=1)` would, without copying the whole cache
-        # every decoding step (tests compare it with the explicit repeat).
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=True
-        )  # (B, H, T, D)
+        if isinstance(cache, StaticKVCache):
+            out = one_query_attention(q, k, v, attn_mask)  # (B, H, 1, D)
+        else:
+            # Query head h uses key/value head h // group_size. `enable_gqa` does exactly what
+            # `k.repeat_interleave(group_size, dim=1)` would, without copying the whole cache
+            # every decoding step (tests compare it with the explicit repeat).
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=True
+            )  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
@@ -597,6 +630,70 @@ class KVCache:
         return self
 
 
+class StaticKVCache:
+    """Fixed-shape keys/values for a compiled decode step (``Qwen3Model.decode_static``).
+
+    Every tensor keeps its shape and storage for a whole generation and is written in place, and
+    the slot the next token writes (``pos``) is a tensor, not a Python int: one compiled graph
+    (one CUDA graph on a GPU) then serves every step, with attention over all ``max_len`` slots
+    and a key mask instead of over a growing filled part.
+
+    keys/values: per layer (R, H_kv, L, D), zero where nothing was written (masked slots are
+    multiplied by zero attention weights, and garbage such as NaN would survive that);
+    key_mask (R, L) bool; next_pos (R,) long, the rotary position of each row's next token;
+    pos (1,) long, the slot the next token writes.
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+                 key_mask: torch.Tensor, next_pos: torch.Tensor, pos: torch.Tensor):
+        self.keys, self.values = keys, values
+        self.key_mask, self.next_pos, self.pos = key_mask, next_pos, pos
+
+    @classmethod
+    def from_cache(cls, cache: KVCache, rows: int, slots: int, start: int = 0) -> StaticKVCache:
+        """Zero buffers of `rows` x `slots` holding `cache` as `fill` puts it there."""
+        keys = [k.new_zeros(rows, k.shape[1], slots, k.shape[3]) for k in cache.keys]
+        values = [v.new_zeros(rows, v.shape[1], slots, v.shape[3]) for v in cache.values]
+        static = cls(keys, values, cache.key_mask.new_zeros(rows, slots),
+                     cache.next_pos.new_zeros(rows),
+                     torch.zeros(1, dtype=torch.long, device=cache.key_mask.device))
+        static.fill(cache, start)
+        return static
+
+    def fill(self, cache: KVCache, start: int = 0) -> None:
+        """Hold `cache`'s B rows x S slots at slots [start, start + S), in place: the slots
+        before `start` are extra left padding (masked; rotary positions count real tokens only,
+        so nothing else changes), rows B.. are empty rows, and everything else is zero. The
+        next token writes slot start + S."""
+        B, S = cache.key_mask.shape
+        rows, slots = self.key_mask.shape
+        if B > rows or start + S > slots:
+            raise ValueError(f"StaticKVCache: a cache of {B} rows x {S} slots from slot {start} "
+                             f"does not fit {rows} x {slots}")
+        for buf, held in zip([*self.keys, *self.values], [*cache.keys, *cache.values]):
+            buf.zero_()  # (R, H_kv, L, D)
+            buf[:B, :, start : start + S] = held
+        self.key_mask.zero_()  # (R, L) False: empty
+        self.key_mask[:B, start : start + S] = cache.key_mask
+        self.next_pos.zero_()  # (R,)
+        self.next_pos[:B] = cache.next_pos
+        self.pos.fill_(start + S)
+
+    @property
+    def max_len(self) -> int:
+        return self.key_mask.shape[1]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the decode step writes in place."""
+        return [*self.keys, *self.values, self.key_mask, self.next_pos, self.pos]
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """Write one token's keys/values (R, H_kv, 1, D) at slot `pos`; return all L slots."""
+        self.keys[layer_idx].index_copy_(2, self.pos, k)
+        self.values[layer_idx].index_copy_(2, self.pos, v)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
 def _repeat_rows(x: torch.Tensor, G: int) -> torch.Tensor:
     """Row b of x -> rows b*G..b*G+G-1, as a new tensor.
 
@@ -768,6 +865,31 @@ class Qwen3Model(nn.Module):
             cache.key_mask = key_mask
             cache.next_pos = past_pos + m.sum(dim=-1)
         return self.model.norm(x)
+
+
+    def decode_static(self, token_ids: torch.Tensor, is_real: torch.Tensor,
+                      cache: StaticKVCache) -> torch.Tensor:
+        """Logits (R, V) after one token per row, token_ids/is_real (R,), over a StaticKVCache.
+
+        The same computation as ``forward`` with one new token, but with shapes that never change
+        (attention over all L slots, the empty ones masked) and no host synchronisation, so that
+        ``torch.compile(fullgraph=True, dynamic=False)`` makes one graph of it. Advances the
+        cache: slot ``pos`` written, ``pos`` + 1, ``next_pos`` + 1 where the token is real.
+        """
+        cache.key_mask.index_copy_(1, cache.pos, is_real[:, None])
+        mask = cache.key_mask
+        # A row with no real key (a padding row of the batch) attends everywhere, as in
+        # `forward_hidden`: softmax over nothing is NaN. Its output is never used.
+        mask = mask | ~mask.any(dim=-1, keepdim=True)  # (R, L)
+        cos_table, sin_table = self._rope_tables(cache.max_len)
+        positions = cache.next_pos[:, None]  # (R, 1)
+        cos, sin = cos_table[positions], sin_table[positions]  # (R, 1, D)
+        x = self.model.embed_tokens(token_ids[:, None])  # (R, 1, C)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask[:, None, None, :], cache, i)
+        cache.next_pos.add_(is_real.long())
+        cache.pos.add_(1)
+        return self.lm_head(self.model.norm(x))[:, -1]  # (R, V)
 
 
 # --------------------------------------------------------------------------------------

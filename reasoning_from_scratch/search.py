@@ -103,7 +103,8 @@ def sample_next_steps(model, tokenizer, texts: Sequence[str], num_samples: int, 
                       max_step_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
                       top_k: int | None = None, generator: torch.Generator | None = None,
                       stop_ids: Sequence[int] | None = None, batch_size: int = 256,
-                      max_continuations: int = 3) -> list[list[StepProposal]]:
+                      max_continuations: int = 3,
+                      compile: bool = False) -> list[list[StepProposal]]:
     """`num_samples` next steps of each text (a prompt plus the completion so far).
 
     All texts are decoded together (left padded, each prefilled once and its cache repeated
@@ -113,11 +114,12 @@ def sample_next_steps(model, tokenizer, texts: Sequence[str], num_samples: int, 
     step: such rows are continued, up to `max_continuations` times, so the final answer after
     "</think>" is one step, as `process.split_steps` cuts it. Texts are re-encoded from their
     text each time (the model's own step boundaries are newline tokens, so nothing is split
-    differently).
+    differently). `compile`: `generation.generate`'s compiled decode step.
     """
     eos = set(stop_token_ids(tokenizer))
     stops = sorted(eos | set(newline_token_ids(tokenizer) if stop_ids is None else stop_ids))
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator,
+                    compile=compile)
     was_training = model.training
     model.eval()
     try:
@@ -385,13 +387,14 @@ def self_refinement_batch(model, tokenizer, problems: Sequence[str], device, cri
                           temperature: float = 1.0, top_p: float = 1.0,
                           generator: torch.Generator | None = None,
                           prompt_fn: Callable[[str], str] = render_prompt,
-                          stop_when_unchanged: bool = True, batch_size: int = 64) -> list[dict]:
+                          stop_when_unchanged: bool = True, batch_size: int = 64,
+                          compile: bool = False) -> list[dict]:
     """Draft (greedy by default) -> critique -> refine for many problems (`run_refinement`).
 
     Drafts and every round's resamples are decoded `batch_size` prompts at a time. The
     resample continues `prompt + kept steps` to EOS at `temperature` (a fresh attempt from the
     first rejected step). `examples[i]` is passed to the critic (the blind verifier reads the
-    problem from it, never the answer).
+    problem from it, never the answer). `compile`: `generation.generate`'s compiled decode step.
     """
     prompts = [prompt_fn(p) for p in problems]
 
@@ -400,7 +403,8 @@ def self_refinement_batch(model, tokenizer, problems: Sequence[str], device, cri
         for b in range(0, len(texts), batch_size):
             chunk, ids, mask = generate_batch(model, tokenizer, list(texts[b:b + batch_size]),
                                               device, max_new_tokens, temperature=temp,
-                                              top_p=top_p, generator=generator)
+                                              top_p=top_p, generator=generator,
+                                              compile=compile)
             out_texts += chunk
             out_tokens += mask.sum(dim=1).tolist()
         return out_texts, out_tokens

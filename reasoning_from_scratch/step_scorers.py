@@ -323,11 +323,12 @@ class AnswerBeliefStepScorer(StepScorer):
 def sample_continuations(model, tokenizer, texts: Sequence[str], k: int, max_new_tokens: int,
                          temperature: float = 1.0, top_p: float = 1.0,
                          generator: torch.Generator | None = None, batch_size: int = 64,
-                         device=None) -> tuple[list[list[str]], int]:
+                         device=None, compile: bool = False) -> tuple[list[list[str]], int]:
     """k sampled continuations (text, EOS dropped) of each text, and the generated token count.
 
     Texts are encoded as they are, left padded into batches of at most `batch_size` rows, and
     each is prefilled once (`generate(num_return_sequences=k)`). The model runs in eval mode.
+    `compile`: `generate`'s compiled decode step.
     """
 
     device = device or next(model.parameters()).device
@@ -350,7 +351,7 @@ def sample_continuations(model, tokenizer, texts: Sequence[str], k: int, max_new
             gen = generate(model, ids.to(device), mask.to(device), max_new_tokens=max_new_tokens,
                            temperature=temperature, top_p=top_p,
                            eos_token_id=stop_token_ids(tokenizer), generator=generator,
-                           num_return_sequences=k)
+                           num_return_sequences=k, compile=compile)
             n_tokens += int(gen.lengths.sum())
             for b in range(len(encoded)):
                 conts = []
@@ -402,7 +403,7 @@ class MonteCarloStepScorer(StepScorer):
                  max_new_tokens: int = 64, temperature: float = 0.8, top_p: float = 1.0,
                  batch_size: int = 64, generator: torch.Generator | None = None,
                  reward_fn: Callable[[str, dict], float] = _default_reward, device=None,
-                 branch: bool = False):
+                 branch: bool = False, compile: bool = False):
         if mode not in ("soft", "hard"):
             raise ValueError(f"MonteCarloStepScorer: mode must be 'soft' or 'hard', got {mode!r}")
         if num_continuations < 1:
@@ -412,6 +413,7 @@ class MonteCarloStepScorer(StepScorer):
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.batch_size, self.generator, self.reward_fn = batch_size, generator, reward_fn
         self.device, self.branch = device, branch
+        self.compile = compile  # decode with generation's compiled step
         self.generated_tokens = 0
         self.prefill_tokens = 0  # tokens prefilled: the prefixes (re-read, or branch mode's)
         self.rollouts = 0
@@ -433,7 +435,7 @@ class MonteCarloStepScorer(StepScorer):
         """k sampled continuations of each text, batched; counts the cost."""
         conts, n_tokens = sample_continuations(
             self.model, self.tokenizer, texts, self.k, self.max_new_tokens, self.temperature,
-            self.top_p, self.generator, self.batch_size, self.device)
+            self.top_p, self.generator, self.batch_size, self.device, self.compile)
         self.generated_tokens += n_tokens
         self.prefill_tokens += sum(len(self.tokenizer.encode(t)) for t in texts)  # once each
         self.rollouts += len(texts) * self.k
@@ -507,7 +509,7 @@ class MonteCarloStepScorer(StepScorer):
         try:
             br = branch_continuations(
                 self.model, seqs, cuts, budgets, self.temperature, self.top_p,
-                stop_token_ids(self.tokenizer), self.generator, self.batch_size)
+                stop_token_ids(self.tokenizer), self.generator, self.batch_size, self.compile)
         finally:
             self.model.train(was_training)
         self.generated_tokens += br.generated_tokens

@@ -73,6 +73,7 @@ from .distributed import (
     params_checksum,
     rank,
     run_on_main,
+    shard,
     shard_range,
     world_size,
 )
@@ -90,6 +91,7 @@ from .fsdp import (
     shard_model,
     shard_sizes,
 )
+from .generation import compile_decoding, stop_token_ids, warm_up_decoding
 from .grpo import (
     KL_ESTIMATORS,
     LOSS_TYPES,
@@ -312,6 +314,10 @@ class GRPOConfig:
     chunk_size: int = option(1024,
         "answer positions per lm_head chunk in the log-prob pass (memory bound)",
         rule=at_least(1))
+    compile: bool | None = option(None,
+        "decode rollouts, evaluations and Monte-Carlo step values with one static, compiled "
+        "step (torch.compile; the same tokens; each shape compiles once, seconds on a CPU). "
+        "Default: on for CUDA, off elsewhere (no gain on the CPU, docs/speed.md)")
     # evaluation, logging, checkpoints
     eval_every: int = option(25,
         "evaluate on the held-out set every N steps (0: only before and after)",
@@ -760,7 +766,8 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
 
     def evaluate_now():
         return evaluate_policy(policy, tokenizer, eval_set, device, config.eval_tokens,
-                               config.eval_batch_size, prompt_fn)
+                               config.eval_batch_size, prompt_fn,
+                               compile=compile_decoding(config.compile, device))
 
     bar = tqdm(total=config.steps, initial=run.completed, desc="grpo",
                disable=not config.progress)
@@ -778,6 +785,8 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
             if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
                 stop_if_interrupted(interrupted)
                 _evaluate_step(run, evaluate_now, hook)
+            if compile_decoding(config.compile, device) and run.completed < config.steps:
+                _warm_up_decoding(policy, tokenizer, train_examples, eval_set, config, prompt_fn)
             while run.completed < config.steps:
                 step = run.completed
                 # Stages 1-3: rollouts, rewards, advantages (grpo.collect_rollouts)
@@ -849,16 +858,46 @@ def _save_interrupted(run, stop):
     barrier()  # no process exits (and makes torchrun stop the others) before the save
 
 
+def _warm_up_decoding(model, tokenizer, train_examples, eval_set, config, prompt_fn):
+    """Compile the decode step, before the first step, for every shape the run's rollouts and
+    evaluations decode: this process's prompts-per-step x G rows at every prompt-length bucket
+    of the training prompts, and the evaluation's batches (in `evaluation.evaluate`'s order,
+    longest prompts first). No later step then compiles (the Monte-Carlo scorers' shapes aside).
+    """
+    was_training = model.training
+    model.eval()
+    stops = stop_token_ids(tokenizer)
+    start, stop = shard_range(config.prompts_per_step)
+    lengths = {len(tokenizer.encode(prompt_fn(ex["problem"]))) for ex in train_examples}
+    warm_up_decoding(model, [((stop - start) * config.num_rollouts, n) for n in lengths],
+                     config.max_new_tokens, config.temperature, config.top_p,
+                     eos_token_id=stops, return_logprobs=config.tis_cap is not None
+                     or config.off_policy_mask_threshold is not None)
+    mine = shard(eval_set)
+    lengths = sorted((len(tokenizer.encode(prompt_fn(ex["problem"]))) for ex in mine),
+                     reverse=True)
+    batches = [lengths[i:i + config.eval_batch_size]
+               for i in range(0, len(lengths), config.eval_batch_size)]
+    warm_up_decoding(model, [(len(b), b[0]) for b in batches], config.eval_tokens,
+                     eos_token_id=stops)
+    model.train(was_training)
+
+
 def _process_advantage_fn(model, tokenizer, device, config):
     """Process supervision's token advantages from the config's step scorer (DeepSeekMath
-    section 4.1.3); "mc" continues with the policy being trained."""
-    return make_process_advantage_fn(
+    section 4.1.3); "mc" continues with the policy being trained (decoding compiled as
+    `config.compile` says)."""
+    fn = make_process_advantage_fn(
         tokenizer, config.step_scorer, config.process_variant, config.step_split,
         model=model, device=device, mc_rollouts=config.mc_rollouts,
         mc_max_new_tokens=config.max_new_tokens, mc_temperature=config.temperature,
         alpha=config.process_alpha, credit_control=config.process_credit_control,
         seed=config.seed,
     )
+    scorer = getattr(fn, "step_scorer", None)
+    if hasattr(scorer, "compile"):  # the scorers that decode (Monte-Carlo)
+        scorer.compile = compile_decoding(config.compile, device)
+    return fn
 
 
 def _log_step(run, row, samples):
@@ -1001,6 +1040,7 @@ def _rollouts(model, tokenizer, examples, device, config, reward_fn, advantage_f
             record_logprobs=config.tis_cap is not None
             or config.off_policy_mask_threshold is not None,
             reward_normalization=config.reward_normalization, gather_groups=gather_groups,
+            compile=compile_decoding(config.compile, device),
         )
         batches.append(batch)
         shares.append(all_gather_objects(_share_summary(batch, G)))

@@ -59,7 +59,7 @@ def fake_generate(monkeypatch):
     calls = []
 
     def fake(model, tokenizer, prompts, device, max_new_tokens, temperature=0.0, top_p=1.0,
-             generator=None):
+             generator=None, compile=False):
         calls.append(list(prompts))
         problems = [p.split("Question:\n", 1)[1].rsplit("\n\nAnswer:", 1)[0] for p in prompts]
         texts = [CANNED[q][0] for q in problems]

@@ -1,13 +1,10 @@
 """Tests for KV-cache generation: sampling filters, greedy/batched equivalence, EOS, rollouts,
-the speed knobs (preallocated cache, compiled decode step)."""
+the preallocated cache (the compiled decode step: tests/test_compiled_decode.py)."""
 
-import warnings
-import weakref
 
 import pytest
 import torch
 import torch._dynamo
-from torch._dynamo.utils import counters
 
 from reasoning_from_scratch import generation
 from reasoning_from_scratch.device import default_dtype, get_device
@@ -293,46 +290,6 @@ def test_chat_with_preallocated_cache_equals_cat_cache(bundled, enable_thinking)
         assert pre.cache.seq_len == cat.cache.seq_len == len(pre.ids)
         for i in range(model.cfg.num_hidden_layers):
             assert torch.equal(pre.cache.keys[i], cat.cache.keys[i])
-
-
-def _compile_available() -> bool:
-    """torch.compile exists and supports this Python and platform."""
-    return callable(getattr(torch, "compile", None)) and torch._dynamo.is_dynamo_supported()
-
-
-@pytest.mark.skipif(not _compile_available(),
-                    reason="torch.compile is not supported on this Python/platform")
-def test_compiled_decode_gives_the_eager_tokens(model):
-    """Compiled once (tens of seconds on CPU), then reused for other lengths without retracing."""
-    eager = generate(model, PADDED_IDS, PADDED_MASK, max_new_tokens=6)
-    compiled = generate(model, PADDED_IDS, PADDED_MASK, max_new_tokens=6, compile=True)
-    assert model not in generation._COMPILE_FAILURES, generation._COMPILE_FAILURES.get(model)
-    assert torch.equal(compiled.sequences, eager.sequences)
-    graphs = counters["stats"]["unique_graphs"]
-    longer = torch.cat([PADDED_IDS, PADDED_IDS], dim=1)
-    mask = torch.cat([PADDED_MASK, torch.ones_like(PADDED_MASK)], dim=1)
-    again = generate(model, longer, mask, max_new_tokens=9, compile=True)
-    assert counters["stats"]["unique_graphs"] == graphs  # other lengths: no recompilation
-    assert torch.equal(again.sequences, generate(model, longer, mask, max_new_tokens=9).sequences)
-
-
-def test_compile_failure_falls_back_to_eager(model, monkeypatch):
-    def broken_compile(fn, **kwargs):
-        def run(*args):
-            raise RuntimeError("no C++ compiler here")
-        return run
-
-    monkeypatch.setattr(torch, "compile", broken_compile)
-    monkeypatch.setitem(generation._COMPILED, "fn", None)
-    monkeypatch.setattr(generation, "_COMPILE_FAILURES", weakref.WeakKeyDictionary())
-    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler here.*decoding eagerly"):
-        out = generate(model, PADDED_IDS, PADDED_MASK, max_new_tokens=5, compile=True)
-    assert torch.equal(out.sequences, generate(model, PADDED_IDS, PADDED_MASK,
-                                               max_new_tokens=5).sequences)
-    assert "no C++ compiler" in generation._COMPILE_FAILURES[model]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # remembered: no second attempt, no second warning
-        generate(model, PADDED_IDS, PADDED_MASK, max_new_tokens=5, compile=True)
 
 
 def test_device_helpers():

@@ -215,7 +215,8 @@ def test_ch07_compare_tiny_run(tmp_path):
 
 def test_bench_generation_tiny_run():
     """The rollouts and prealloc knobs, tiny size, both dtypes, a few tokens (the compile knob
-    is left out here: compiling takes tens of seconds; tests/test_generation.py covers it)."""
+    is left out here: compiling takes tens of seconds; tests/test_compiled_decode.py covers
+    the compiled step)."""
     main = runpy.run_path(str(ROOT / "benchmarks" / "bench_generation.py"),
                           run_name="bench_generation")["main"]
     rows = main(["--sizes", "tiny", "--dtypes", "float32,bfloat16", "--knobs", "rollouts,prealloc",
@@ -373,6 +374,20 @@ def test_gpu_check_step_on_a_tiny_model(monkeypatch):
     assert r["rows"] == 8 and r["tokens"] == 8 * 5 and r["step_s"] >= r["rollout_s"] > 0
     assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
     assert not torch.equal(model.lm_head.weight, before)  # the AdamW step changed the weights
+
+
+def test_gpu_check_cpu_path_writes_every_figure(tmp_path, monkeypatch):
+    """`gpu_check.py --device cpu`: every part on a tiny model, the JSON at the given path."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    script = runpy.run_path(str(ROOT / "benchmarks" / "gpu_check.py"), run_name="gpu_check")
+    out = tmp_path / "gpu_results.json"
+    assert script["main"](["--device", "cpu", "--no-compile", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["device"] == "cpu" and not res["errors"] and not res["timed_out"]
+    for path in ("ours_eager", "ours_fast", "hf_static"):
+        assert res["decode_tok_s"][path]["tiny x4"] > 0
+    assert set(res["grpo_step_s"]) == {"2x2x4", "2x2x4 +ref"}
+    assert res["default_run"]["wall_s"] > 0 and res["default_run"]["final_accuracy"] is not None
 
 
 def test_bench_fsdp_tiny_run():

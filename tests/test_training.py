@@ -304,7 +304,7 @@ def test_summary_reasoning_figures_come_from_the_verifier(tiny_dir, tmp_path, mo
     calls = []
 
     def fake(model, tokenizer, prompts, device, max_new_tokens, temperature=0.0, top_p=1.0,
-             generator=None):
+             generator=None, compile=False):
         texts = [canned[len(calls)][q] for p in prompts for q in canned[0] if q in p]
         calls.append(1)
         mask = torch.ones(len(texts), 3, dtype=torch.bool)

@@ -121,6 +121,10 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
         if f.name == "report_to":
             add_report_argument(p, help=DISTILL_HELP["report_to"])
             continue
+        if f.name == "compile":  # None: on for CUDA, off elsewhere
+            p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                           help=DISTILL_HELP["compile"])
+            continue
         kind = type(getattr(defaults, f.name))  # int, float or str
         p.add_argument("--" + f.name.replace("_", "-"), type=arg_type(kind, DISTILL_RULES[f.name]),
                        default=getattr(defaults, f.name), help=DISTILL_HELP[f.name])

@@ -73,7 +73,7 @@ def add_config_arguments(parser, defaults: GRPOConfig, helps: dict | None = None
         if f.name == "report_to":  # several names
             add_report_argument(parser, default)
             continue
-        if isinstance(default, bool):
+        if isinstance(default, bool) or f.type == "bool | None":  # None: the field decides
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
                                 help=helps[f.name])
             continue
