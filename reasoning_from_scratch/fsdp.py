@@ -39,7 +39,6 @@ import copy
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import (
@@ -181,12 +180,6 @@ def load_sharded(path, model, optimizer) -> None:
 def is_sharded_checkpoint(path) -> bool:
     """Whether checkpoint dir `path` holds sharded (DCP) model and optimizer state."""
     return (Path(path) / SHARDED_DIR / ".metadata").is_file()
-
-
-def init_group_of_one() -> None:
-    """A process group of one (Gloo, in-memory store), for `--fsdp` started without torchrun."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 # ----------------------------------------------------------------------------------------------

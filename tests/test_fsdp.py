@@ -118,7 +118,7 @@ from safetensors.torch import save_file
 from reasoning_from_scratch import distributed, fsdp, training
 sys.path.insert(0, sys.argv[2])
 from test_fsdp import fixed_batch
-dist.init_process_group("gloo")
+distributed.init_distributed(torch.device("cpu"))
 model, batch, config = fixed_batch()
 fsdp.shard_model(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
@@ -128,7 +128,7 @@ state = fsdp.full_state(model)
 if dist.get_rank() == 0:
     save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[1])
     print("grad_norm", stats["grad_norm"])
-distributed.shutdown_distributed(wait=True)  # meet before Gloo's threads go (rank 0 saved)
+distributed.shutdown_distributed()  # meets the other process before Gloo's threads go
 """
 
 
@@ -145,9 +145,8 @@ def fixed_batch():
     return model, batch, config
 
 
-def test_a_process_without_rows_keeps_the_others_company(tmp_path):
-    """Uneven micro-batch counts (8 rows against none) meet in every collective, and the
-    update is the one-process update on the whole batch."""
+def launch_uneven(tmp_path):
+    """UNEVEN_WORKER under `torchrun --nproc-per-node 2`; (finished process, weights file)."""
     script = tmp_path / "uneven.py"
     script.write_text(UNEVEN_WORKER)
     out = tmp_path / "weights.safetensors"
@@ -156,6 +155,13 @@ def test_a_process_without_rows_keeps_the_others_company(tmp_path):
                           str(Path(__file__).parent)],
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return res, out
+
+
+def test_a_process_without_rows_keeps_the_others_company(tmp_path):
+    """Uneven micro-batch counts (8 rows against none) meet in every collective, and the
+    update is the one-process update on the whole batch."""
+    res, out = launch_uneven(tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     model, batch, config = fixed_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)

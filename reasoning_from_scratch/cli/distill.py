@@ -41,6 +41,7 @@ from ..distillation_training import (
     train_distillation,
 )
 from ..distributed import (
+    DEFAULT_TIMEOUT_MINUTES,
     is_main,
     run_on_main,
     world_size,
@@ -53,7 +54,7 @@ from ..training import GRPOConfig
 from ..validation import arg_type, positive_int
 from ..weights import load_pretrained
 from .arguments import add_runtime_arguments, add_sampling_arguments
-from .launch import run_in_process_group
+from .launch import add_timeout_argument, run_in_process_group
 from .train import (
     add_data_arguments,
     add_report_argument,
@@ -133,6 +134,7 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bars")
     add_runtime_arguments(p)
+    add_timeout_argument(p)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of teacher and student")
     return p
@@ -243,6 +245,7 @@ class DistillRun:
     threads: int | None = 1  # torch CPU threads (0 or None: torch's default)
     dtype: str = "float32"
     overwrite: bool = False
+    dist_timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES  # collectives' patience (launch.py)
 
 
 def parse_distill_args(argv, description: str) -> DistillRun:
@@ -253,7 +256,7 @@ def parse_distill_args(argv, description: str) -> DistillRun:
     config, data, ckpt = _resolve(parser, args, argv)
     restart = bool(args.resume) and ckpt is None  # no checkpoint yet: the run starts over
     return DistillRun(config, data, ckpt, args.device, args.threads, args.dtype,
-                      args.overwrite or restart)
+                      args.overwrite or restart, args.dist_timeout_minutes)
 
 
 def run_distill_cli(argv, description: str) -> dict:

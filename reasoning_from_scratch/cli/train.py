@@ -39,6 +39,7 @@ from ..checkpoints import (
 from ..datasets import DATASET_NAMES, load_dataset_by_name
 from ..device import check_device
 from ..distributed import (
+    DEFAULT_TIMEOUT_MINUTES,
     env_world_size,
     is_main,
     run_on_main,
@@ -52,7 +53,7 @@ from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
 from ..validation import arg_type, optional_positive_int
 from ..weights import load_pretrained
 from .arguments import add_model_argument, add_runtime_arguments
-from .launch import run_in_process_group
+from .launch import add_timeout_argument, run_in_process_group
 
 # Help, range and choices of every GRPOConfig field live in its metadata (training.py)
 CONFIG_HELP = {f.name: f.metadata["help"] for f in fields(GRPOConfig)}
@@ -142,6 +143,7 @@ def build_parser(description, defaults: GRPOConfig, run_prefix):
                         "run's settings and data flags (flags given explicitly override them, "
                         "e.g. --steps)")
     add_runtime_arguments(p)
+    add_timeout_argument(p)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model dtype for training (float32 keeps small AdamW updates exact)")
     add_config_arguments(p, defaults)
@@ -246,6 +248,7 @@ class TrainRun:
     threads: int | None = 1  # torch CPU threads (0 or None: torch's default)
     dtype: str = "float32"
     overwrite: bool = False
+    dist_timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES  # collectives' patience (launch.py)
 
 
 def parse_train_args(argv, description, defaults: GRPOConfig, run_prefix) -> TrainRun:
@@ -256,7 +259,7 @@ def parse_train_args(argv, description, defaults: GRPOConfig, run_prefix) -> Tra
     config, data, source, ckpt = resolve_run(parser, args, argv, run_prefix)
     restart = bool(args.resume) and ckpt is None  # no checkpoint yet: the run starts over
     return TrainRun(config, data, source, ckpt, args.device, args.threads, args.dtype,
-                    args.overwrite or restart)
+                    args.overwrite or restart, args.dist_timeout_minutes)
 
 
 def run_training(run: TrainRun):
