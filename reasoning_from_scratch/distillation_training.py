@@ -38,9 +38,8 @@ from .distributed import (
     all_gather_objects,
     any_rank,
     barrier,
-    check_same_on_all_ranks,
+    check_replicas_agree,
     is_main,
-    params_checksum,
     run_on_main,
     world_size,
 )
@@ -342,8 +341,6 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
             hook("final_eval", run.completed)
             final = evaluate_now()
             stop_if_interrupted(interrupted)
-            if world > 1:  # the replicas must have made identical updates
-                check_same_on_all_ranks(params_checksum(policy.parameters()), "model weights")
             with defer_interrupts():
                 hook("final_save", run.completed)
                 run.last_eval = final
@@ -355,6 +352,8 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
                                    time.time() - t_start)
                 run_on_main(_write_summary, out, summary)
                 run.tracker.close()
+            # the replicas must have made identical updates (checked once the files are safe)
+            check_replicas_agree(policy)
         except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal (SIGTERM, ...)
             with defer_interrupts():
                 path = run.checkpoint()

@@ -278,9 +278,20 @@ def all_reduce_grads(params, bucket_numel: int = GRAD_BUCKET_NUMEL) -> None:
             p.grad.copy_(g.view_as(p.grad))
 
 
+# Elements summed at a time by `params_checksum`: its float64 copy is this small, whatever the
+# tensor (a whole 8B embedding in float64 would be 5 GB).
+CHECKSUM_CHUNK_NUMEL = 1 << 20
+
+
+@torch.no_grad()
 def params_checksum(params) -> float:
-    """Sum of every parameter in float64: a cheap fingerprint to compare weights across ranks."""
-    return float(sum(p.detach().double().sum() for p in params))
+    """Sum of every parameter element in float64: a cheap fingerprint to compare weights across
+    ranks. Summed chunk by chunk, so no tensor is ever copied whole to float64."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        for chunk in p.detach().reshape(-1).split(CHECKSUM_CHUNK_NUMEL):
+            total += chunk.sum(dtype=torch.float64).cpu()
+    return float(total)
 
 
 def check_same_on_all_ranks(value: float, what: str) -> None:
@@ -288,6 +299,14 @@ def check_same_on_all_ranks(value: float, what: str) -> None:
     values = all_gather_objects(value)
     if any(v != values[0] for v in values):
         raise RuntimeError(f"{what} differs between ranks: {values}")
+
+
+def check_replicas_agree(model) -> None:
+    """Raise RuntimeError on every rank if `model`'s weights differ between the ranks (their
+    `params_checksum`); nothing in a group of one. Runs after the final save, so a run whose
+    replicas drifted apart still leaves its files, and then fails."""
+    if world_size() > 1:
+        check_same_on_all_ranks(params_checksum(model.parameters()), "model weights")
 
 
 def run_on_main(fn: Callable, *args, **kwargs):

@@ -39,17 +39,31 @@ import copy
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import (
-    FSDPModule,
-    MixedPrecisionPolicy,
-    fully_shard,
-    register_fsdp_forward_method,
-)
-from torch.distributed.tensor import DTensor
 
 from .qwen3 import QWEN3_0_6B_CONFIG, Qwen3Config
+
+# FSDP2 and its setters arrived over several torch releases. Only `--fsdp` needs them: on a torch
+# without them every import here still works (the names below are then None), plain and
+# replicated training run as before, and `--fsdp` is refused with `fsdp2_problem`'s reason.
+try:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import (
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+    from torch.distributed.tensor import DTensor
+    _IMPORT_ERROR = None
+except ImportError as err:  # torch without FSDP2 (or without torch.distributed)
+    dcp = get_state_dict = set_state_dict = fully_shard = register_fsdp_forward_method = None
+    FSDPModule = MixedPrecisionPolicy = DTensor = None
+    _IMPORT_ERROR = err
+
+# The FSDPModule setters `shard_model` calls (sum reduction, unused parameters).
+FSDP2_SETTERS = ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms",
+                 "set_reduce_scatter_unused_params")
 
 # The sharded model and optimizer of a checkpoint (a DCP directory: one file per process plus
 # .metadata); the rest of the checkpoint is checkpoints.py's (trainer_state.json, HF weights).
@@ -68,6 +82,30 @@ QWEN3_SIZES = {
 }
 
 
+def fsdp2_problem() -> str | None:
+    """Why this torch cannot run `--fsdp` (FSDP2 or one of its setters missing), or None."""
+    if _IMPORT_ERROR is not None:
+        return f"--fsdp needs FSDP2, which torch {torch.__version__} lacks ({_IMPORT_ERROR})"
+    missing = [name for name in FSDP2_SETTERS if not hasattr(FSDPModule, name)]
+    if missing:
+        return (f"--fsdp needs FSDPModule.{', '.join(missing)}, which torch {torch.__version__} "
+                "lacks; install a newer torch")
+    return None
+
+
+def check_fsdp_run(fsdp: bool, checkpoint=None) -> None:
+    """Raise ValueError (for the command line) if a run with `fsdp` cannot start: this torch
+    lacks FSDP2, or the checkpoint resumed is of the other kind (sharded or not: they do not
+    mix)."""
+    problem = fsdp2_problem() if fsdp else None
+    if problem:
+        raise ValueError(problem)
+    if checkpoint and is_sharded_checkpoint(checkpoint) != fsdp:
+        kind = "with" if is_sharded_checkpoint(checkpoint) else "without"
+        raise ValueError(f"{checkpoint} was written by a run {kind} --fsdp; resume it {kind} "
+                         "--fsdp")
+
+
 def mixed_precision(device) -> MixedPrecisionPolicy | None:
     """bf16 compute with fp32 gradient reduction on CUDA; None (all fp32, exact) on the CPU."""
     if torch.device(device).type == "cuda":
@@ -78,6 +116,9 @@ def mixed_precision(device) -> MixedPrecisionPolicy | None:
 def shard_model(model, mp_policy: MixedPrecisionPolicy | None = None):
     """`fully_shard` each decoder block, then the root, in place; gradients reduced as sums.
     Returns the model (now an FSDPModule whose parameters are DTensor shards)."""
+    problem = fsdp2_problem()
+    if problem:
+        raise RuntimeError(problem)
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     for block in model.model.layers:
         fully_shard(block, **kwargs)
@@ -95,18 +136,18 @@ def shard_model(model, mp_policy: MixedPrecisionPolicy | None = None):
 
 def is_sharded(model) -> bool:
     """Whether `model` went through `shard_model`."""
-    return isinstance(model, FSDPModule)
+    return FSDPModule is not None and isinstance(model, FSDPModule)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This process's shard of a DTensor; a plain tensor as it is."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a DTensor (a collective: every process must call it); a plain
     tensor as it is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if DTensor is not None and isinstance(t, DTensor) else t
 
 
 def make_replica(model, dtype: torch.dtype | None = None):

@@ -67,10 +67,9 @@ from .distributed import (
     all_reduce_sum,
     any_rank,
     barrier,
-    check_same_on_all_ranks,
+    check_replicas_agree,
     gather_groups,
     is_main,
-    params_checksum,
     rank,
     run_on_main,
     shard_range,
@@ -814,9 +813,6 @@ def _finish(run, evaluate_now, interrupted, hook, eval_examples, t_start):
     hook("final_eval", run.completed)
     final = evaluate_now()
     stop_if_interrupted(interrupted)
-    if world_size() > 1:  # the replicas must have made identical updates
-        weights = run.model if run.replica is None else run.replica
-        check_same_on_all_ranks(params_checksum(weights.parameters()), "model weights")
     with defer_interrupts():
         hook("final_save", run.completed)
         run.last_eval = final
@@ -825,6 +821,8 @@ def _finish(run, evaluate_now, interrupted, hook, eval_examples, t_start):
         summary = _summary(run, final, eval_examples, time.time() - t_start)
         run_on_main(_write_summary, run.out, summary, plot_columns(run.config))
         run.tracker.close()
+    # the replicas must have made identical updates (checked once the files are safe)
+    check_replicas_agree(run.model if run.replica is None else run.replica)
     return final, summary
 
 

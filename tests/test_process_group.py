@@ -1,8 +1,11 @@
 """Joining and leaving the process group (distributed.py, cli/launch.py): the backend follows the
 device (NCCL for CUDA, with or without torchrun), --dist-timeout-minutes reaches
 init_process_group, `shutdown_distributed` waits for the other process before it leaves (and
-gives up on one that never comes), and benchmarks/exit_races.py runs and classifies."""
+gives up on one that never comes), and benchmarks/exit_races.py runs and classifies. And what
+every run checks: a torch without FSDP2 trains without --fsdp and refuses it; the replicas'
+agreement is a float64 sum (no whole float64 copies), checked after the final save."""
 
+import os
 import subprocess
 import sys
 import time
@@ -13,11 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reasoning_from_scratch import distributed
+from reasoning_from_scratch import distributed, fsdp, training
 from reasoning_from_scratch.cli import launch
 from reasoning_from_scratch.cli.distill import parse_distill_args
 from reasoning_from_scratch.cli.train import parse_train_args
+from reasoning_from_scratch.datasets import load_dataset_by_name
 from reasoning_from_scratch.training import GRPOConfig
+from reasoning_from_scratch.weights import load_pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,3 +156,102 @@ def test_exit_races_counts_aborts_and_runs_each_target_once():
     assert {name: r["ok"] for name, r in results.items()} == {
         "helpers-worker": 1, "distill-worker": 1, "ch09-fsdp": 1}
 
+
+
+# A torch without FSDP2 (before 2.6): torch.distributed.fsdp holds FSDP1 only, so importing
+# fully_shard & co. from it fails. The package still imports, a plain training run still trains,
+# and --fsdp is refused with the reason (exit 2).
+NO_FSDP2 = r'''
+import runpy, sys
+import torch
+import torch.distributed.fsdp as fsdp_module
+for name in ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "register_fsdp_forward_method"):
+    delattr(fsdp_module, name)
+from reasoning_from_scratch import fsdp
+assert "lacks" in fsdp.fsdp2_problem() and not fsdp.is_sharded(torch.nn.Linear(1, 1))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+TINY_CH07 = ["--steps", "1", "--prompts-per-step", "2", "--num-rollouts", "2",
+             "--max-new-tokens", "8", "--eval-examples", "1", "--eval-every", "0",
+             "--train-examples", "8", "--checkpoint-minutes", "0", "--threads", "1",
+             "--device", "cpu", "--no-progress"]
+
+
+def test_training_without_fsdp2_trains_and_refuses_fsdp(tmp_path):
+    script = tmp_path / "no_fsdp2.py"
+    script.write_text(NO_FSDP2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    base = [sys.executable, str(script), str(ROOT / "chapters" / "ch07_train.py"), *TINY_CH07]
+    plain = subprocess.run([*base, "--output-dir", str(tmp_path / "plain")], env=env,
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert (tmp_path / "plain" / "final" / "model.safetensors").is_file()
+    sharded = subprocess.run([*base, "--output-dir", str(tmp_path / "fsdp"), "--fsdp"], env=env,
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert sharded.returncode == 2 and "--fsdp needs FSDP2" in sharded.stderr
+    assert not (tmp_path / "fsdp").exists()
+
+
+def test_a_torch_without_the_setters_is_refused(monkeypatch):
+    monkeypatch.delattr(fsdp.FSDPModule, "set_reduce_scatter_unused_params")
+    assert "set_reduce_scatter_unused_params" in fsdp.fsdp2_problem()
+    with pytest.raises(ValueError, match="set_reduce_scatter_unused_params"):
+        fsdp.check_fsdp_run(True)
+    fsdp.check_fsdp_run(False)  # a run without --fsdp does not care
+    with pytest.raises(RuntimeError, match="set_reduce_scatter_unused_params"):
+        fsdp.shard_model(torch.nn.Linear(1, 1))
+
+
+def test_the_checksum_sums_in_float64_chunk_by_chunk(monkeypatch):
+    monkeypatch.setattr(distributed, "CHECKSUM_CHUNK_NUMEL", 3)
+    a = torch.tensor([1e8, 1.0, -1e8, 0.5, 0.25], dtype=torch.float32)  # 1.75 in float64
+    b = torch.full((2, 2), 0.125)
+    assert distributed.params_checksum([a, b]) == 1.75 + 0.5
+    assert float(a.sum()) != 1.75  # float32 would have lost the small terms
+
+
+def _agree_worker(rank_, init_file, out_dir):
+    """Two replicas that agree, then differ; each rank writes what the check raised."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank_,
+                                         world_size=2)
+    try:
+        model = torch.nn.Linear(2, 2)
+        torch.nn.init.constant_(model.weight, 1.0)
+        torch.nn.init.constant_(model.bias, 0.0)
+        distributed.check_replicas_agree(model)  # the same: nothing happens
+        with torch.no_grad():
+            model.bias[0] += rank_ * 1e-6  # one element, off by a little on rank 1
+        try:
+            distributed.check_replicas_agree(model)
+            msg = "no error"
+        except RuntimeError as err:
+            msg = str(err)
+        Path(out_dir, f"{rank_}.txt").write_text(msg)
+    finally:
+        distributed.shutdown_distributed()
+
+
+def test_diverged_replicas_fail_on_every_rank(tmp_path):
+    torch.multiprocessing.spawn(_agree_worker, args=(str(tmp_path / "init"), str(tmp_path)),
+                                nprocs=2)
+    for r in (0, 1):
+        assert (tmp_path / f"{r}.txt").read_text().startswith("model weights differs")
+
+
+def test_the_rank_check_comes_after_the_final_save(monkeypatch, tmp_path):
+    """A failing check still leaves final/ and summary.json."""
+    def diverged(model):
+        raise RuntimeError("model weights differs between ranks")
+    monkeypatch.setattr(training, "check_replicas_agree", diverged)
+    config = training.GRPOConfig(**dict(zip(
+        ["steps", "prompts_per_step", "num_rollouts", "max_new_tokens", "eval_examples"],
+        [1, 2, 2, 8, 1])), eval_every=0, checkpoint_minutes=0, progress=False,
+        output_dir=str(tmp_path / "run"))
+    model, tok = load_pretrained("tiny-arith", device="cpu")
+    examples = load_dataset_by_name("arith", "train", n=4)
+    with pytest.raises(RuntimeError, match="differs"):
+        training.train_grpo(model, tok, examples, examples[:1], "cpu", config)
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "summary.json").is_file()

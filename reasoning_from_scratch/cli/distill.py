@@ -48,7 +48,7 @@ from ..distributed import (
 )
 from ..evaluation import evaluate_policy
 from ..files import atomic_write_json, read_json
-from ..fsdp import is_sharded_checkpoint
+from ..fsdp import check_fsdp_run
 from ..interrupts import exit_status
 from ..training import GRPOConfig
 from ..validation import arg_type, positive_int
@@ -200,10 +200,7 @@ def _resolve(parser, args, argv):
             if data["dataset"] != "arith":
                 data["train_level_weights"] = None
         config = DistillConfig.from_dict(values)
-        if ckpt and is_sharded_checkpoint(ckpt) != config.fsdp:  # the two kinds do not mix
-            kind = "with" if is_sharded_checkpoint(ckpt) else "without"
-            raise ValueError(f"{ckpt} was written by a run {kind} --fsdp; resume it {kind} "
-                             "--fsdp")
+        check_fsdp_run(config.fsdp, ckpt)
         check_report_backends(parser, config.report_to)
         return config, data, ckpt
     except (ValueError, FileNotFoundError, FileExistsError) as err:

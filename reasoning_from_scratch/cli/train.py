@@ -46,7 +46,7 @@ from ..distributed import (
     world_size,
 )
 from ..files import atomic_write_json, read_json
-from ..fsdp import is_sharded_checkpoint
+from ..fsdp import check_fsdp_run
 from ..interrupts import exit_status
 from ..tracking import REPORT_CHOICES, missing_backend, report_targets
 from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
@@ -221,10 +221,7 @@ def resolve_run(parser, args, argv, run_prefix):
         if data["dataset"] != "arith" and "train_level_weights" not in explicit:
             data["train_level_weights"] = None  # the level mix is the arithmetic world's default
         config = GRPOConfig.from_dict(values)
-        if ckpt and is_sharded_checkpoint(ckpt) != config.fsdp:  # the two kinds do not mix
-            kind = "with" if is_sharded_checkpoint(ckpt) else "without"
-            raise ValueError(f"{ckpt} was written by a run {kind} --fsdp; resume it {kind} "
-                             "--fsdp")
+        check_fsdp_run(config.fsdp, ckpt)
         check_report_backends(parser, config.report_to)
         check_report_backends(parser, config.report_to)
         if env_world_size() > config.prompts_per_step:
