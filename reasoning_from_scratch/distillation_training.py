@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from .checkpoints import (
@@ -46,12 +45,10 @@ from .distributed import (
 from .evaluation import EVAL_FIGURES, evaluate_policy
 from .files import atomic_write_json
 from .fsdp import (
-    make_replica,
-    mixed_precision,
     refresh_replica,
     save_sharded,
-    shard_model,
     shard_sizes,
+    shard_with_replica,
 )
 from .interrupts import (
     DEFAULT_STOP_SIGNALS,
@@ -254,9 +251,7 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
     eval_set = list(eval_examples)[:config.eval_examples]
     replica = None
     if config.fsdp:  # shard before the optimizer exists: AdamW then holds shards only
-        replica = make_replica(student, torch.bfloat16 if torch.device(device).type == "cuda"
-                               else None)
-        shard_model(student, mixed_precision(device))
+        student, replica = shard_with_replica(student, device)
     policy = student if replica is None else replica  # what evaluates
 
     def evaluate_now():

@@ -12,13 +12,15 @@ How the loop (training.py) uses it, one helper per concern:
   reduce-scattered as sums (divide factor 1): the loop scales each loss by the whole step's
   normalisers, so the sum over processes is the one-process gradient, where FSDP's default
   average would divide it by N once more.
-- `make_replica` / `refresh_replica`: a plain, unsharded copy of the policy for sampling and
-  evaluation. Decoding calls the model a different number of times on each process (each stops
-  when its own rows finish); a sharded model all-gathers inside every forward, so the processes
-  would wait for each other forever. The replica is refreshed (one all-gather per tensor, the
-  same calls on every process) once after every update, and every process then decodes on its
-  own. It costs one full copy of the weights in the compute dtype: the memory of `unshard()`
-  for the rollout phase, kept through the update.
+- `load_model_sharded`: the sharded start. The model is built on the meta device, sharded,
+  and filled by a broadcast from rank 0, so no other process ever holds it whole.
+- `shard_with_replica` / `refresh_replica`: a plain, unsharded copy of the policy for sampling,
+  scoring and evaluation. Decoding calls the model a different number of times on each process
+  (each stops when its own rows finish); a sharded model all-gathers inside every forward, so
+  the processes would wait for each other forever. The replica is refreshed (one all-gather
+  per tensor, the same calls on every process) once after every update, and every process then
+  decodes on its own. It costs one full copy of the weights in the compute dtype: the memory
+  of `unshard()` for the rollout phase, kept through the update.
 - `dummy_backward`: a zero-weighted forward/backward through every sharded block. The update
   runs the same number of micro-batches on every process (FSDP's collectives must pair up); a
   process with fewer rows (or none) makes up the difference with these, which add nothing.
@@ -35,19 +37,26 @@ weights, gradients and optimizer state is ZeRO stage 3 (Rajbhandari et al., arXi
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from .qwen3 import QWEN3_0_6B_CONFIG, Qwen3Config
+from .qwen3 import QWEN3_0_6B_CONFIG, Qwen3Config, Qwen3Model
+from .tokenizer import Qwen3Tokenizer
+from .weights import load_hf_state_dict, load_pretrained, resolve_model_dir
 
 # FSDP2 and its setters arrived over several torch releases. Only `--fsdp` needs them: on a torch
 # without them every import here still works (the names below are then None), plain and
 # replicated training run as before, and `--fsdp` is refused with `fsdp2_problem`'s reason.
 try:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
     from torch.distributed.fsdp import (
         FSDPModule,
         MixedPrecisionPolicy,
@@ -57,7 +66,8 @@ try:
     from torch.distributed.tensor import DTensor
     _IMPORT_ERROR = None
 except ImportError as err:  # torch without FSDP2 (or without torch.distributed)
-    dcp = get_state_dict = set_state_dict = fully_shard = register_fsdp_forward_method = None
+    dcp = get_state_dict = set_state_dict = set_model_state_dict = StateDictOptions = None
+    fully_shard = register_fsdp_forward_method = None
     FSDPModule = MixedPrecisionPolicy = DTensor = None
     _IMPORT_ERROR = err
 
@@ -150,12 +160,70 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if DTensor is not None and isinstance(t, DTensor) else t
 
 
-def make_replica(model, dtype: torch.dtype | None = None):
-    """A frozen, unsharded copy of `model` (before `shard_model`) for sampling, evaluation and
-    no-grad log-probs; `dtype`: its compute dtype (bf16 on CUDA)."""
-    replica = copy.deepcopy(model).eval()
+def compute_dtype(model, device) -> torch.dtype:
+    """The replica's dtype: bf16 on CUDA (`mixed_precision`'s compute dtype), else the
+    model's own (fp32 on the CPU: exact)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else local_tensor(
+        next(model.parameters())).dtype
+
+
+def empty_replica(cfg: Qwen3Config, device, dtype: torch.dtype) -> Qwen3Model:
+    """A frozen Qwen3Model for sampling, built on the meta device and given uninitialised
+    memory in `dtype` on `device` directly (no random init, no fp32 copy on the way);
+    `refresh_replica` fills it."""
+    with torch.device("meta"):
+        replica = Qwen3Model(cfg).to(dtype)
+    replica.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty gives each name its own tensor: tie them again
+        replica.lm_head.weight = replica.model.embed_tokens.weight
     replica.requires_grad_(False)
-    return replica if dtype is None else replica.to(dtype)
+    return replica.eval()
+
+
+def shard_with_replica(model, device, dtype: torch.dtype | None = None):
+    """(`model` sharded in place, its unsharded replica) for an FSDP run: sharding first frees
+    the whole weights before the replica exists, so a process never holds both in full; the
+    replica is built in the compute dtype directly and filled from the shards (one all-gather
+    per tensor). A model already sharded (`load_model_sharded`) only gets its replica.
+    dtype: the replica's (default `compute_dtype`)."""
+    if not is_sharded(model):
+        shard_model(model, mixed_precision(device))
+    replica = empty_replica(model.cfg, device, dtype or compute_dtype(model, device))
+    refresh_replica(replica, model)
+    return model, replica
+
+
+def load_model_sharded(model_dir, device, dtype: torch.dtype | None = None):
+    """A sharded Qwen3Model from a HF-layout directory, whole on no process but rank 0's reader:
+    built on the meta device, sharded (`shard_model`), given memory for its shards alone, then
+    filled by `set_model_state_dict(..., broadcast_from_rank0=True)` (rank 0 reads the weights,
+    each tensor is broadcast and every process keeps its shard). dtype: of the master weights
+    (default fp32)."""
+    model_dir = resolve_model_dir(model_dir)
+    cfg = Qwen3Config.from_json(Path(model_dir) / "config.json")
+    dtype = dtype or torch.float32
+    with torch.device("meta"):
+        model = Qwen3Model(cfg).to(dtype)
+    shard_model(model, mixed_precision(device))
+    model.to_empty(device=device)  # this process's shards only
+    full = {}
+    if dist.get_rank() == 0:
+        full = load_hf_state_dict(model_dir, dtype=dtype)
+        if cfg.tie_word_embeddings:  # one tensor under both names, as the model has it
+            full["lm_head.weight"] = full["model.embed_tokens.weight"]
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                               broadcast_from_rank0=True))
+    return model.eval()
+
+
+def load_for_run(name_or_path, device, dtype: torch.dtype | None, sharded: bool):
+    """(model, tokenizer) for a training run: `weights.load_pretrained`, or with `sharded` (an
+    FSDP run in a process group) `load_model_sharded`, so no process but rank 0 ever reads the
+    whole model and none holds it twice."""
+    if not sharded:
+        return load_pretrained(name_or_path, device=device, dtype=dtype)
+    tokenizer = Qwen3Tokenizer.from_pretrained(resolve_model_dir(name_or_path))
+    return load_model_sharded(name_or_path, device, dtype), tokenizer
 
 
 @torch.no_grad()

@@ -82,12 +82,10 @@ from .fsdp import (
     full_tensor,
     is_sharded,
     local_tensor,
-    make_replica,
-    mixed_precision,
     refresh_replica,
     save_sharded,
-    shard_model,
     shard_sizes,
+    shard_with_replica,
 )
 from .grpo import (
     KL_ESTIMATORS,
@@ -717,9 +715,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     hook = phase_hook or (lambda phase, step: None)
     replica = None
     if config.fsdp:  # shard before the optimizer exists: AdamW then holds shards only
-        replica = make_replica(model, torch.bfloat16 if torch.device(device).type == "cuda"
-                               else None)
-        shard_model(model, mixed_precision(device))
+        model, replica = shard_with_replica(model, device)
     policy = model if replica is None else replica  # what samples and evaluates
     if config.supervision == "process" and advantage_fn is None:
         advantage_fn = _process_advantage_fn(policy, tokenizer, device, config)

@@ -267,3 +267,43 @@ def test_process_supervision_scores_with_the_unsharded_replica(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out / "metrics.csv")] == [1.0, 2.0]
     assert len(json.loads((out / "summary.json").read_text())["shards"]) == 2
+
+
+# The sharded start (`fsdp.load_model_sharded`): built on the meta device, sharded, filled by a
+# broadcast from rank 0; then `shard_with_replica` builds the replica from the shards. Rank 0
+# saves the gathered weights, the replica's and its share of the elements.
+SHARDED_START_WORKER = r"""
+import sys
+import torch, torch.distributed as dist
+from safetensors.torch import save_file
+from reasoning_from_scratch import distributed, fsdp
+distributed.init_distributed(torch.device("cpu"))
+model = fsdp.load_model_sharded("tiny-arith", torch.device("cpu"))
+model, replica = fsdp.shard_with_replica(model, torch.device("cpu"))
+state = fsdp.full_state(model)
+if dist.get_rank() == 0:
+    save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[1] + ".model")
+    save_file({k: v.clone() for k, v in replica.state_dict().items()}, sys.argv[1] + ".rep")
+    print("local", fsdp.local_numel(model.parameters()), "replica", replica.dtype)
+distributed.shutdown_distributed()
+"""
+
+
+def test_a_sharded_start_loads_the_model_without_a_whole_copy(tmp_path):
+    script = tmp_path / "start.py"
+    script.write_text(SHARDED_START_WORKER)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(script), str(tmp_path / "w")],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    whole = load_pretrained("tiny-arith", device="cpu")[0]
+    expected = whole.state_dict()
+    for suffix in ("model", "rep"):
+        got = load_file(tmp_path / f"w.{suffix}")
+        assert set(got) == set(expected)
+        assert all(torch.equal(got[k], v) for k, v in expected.items())  # bit for bit
+    n = sum(p.numel() for p in whole.parameters())
+    local = int(res.stdout.split("local ")[1].split()[0])
+    assert n / 2 <= local <= n / 2 + 4096  # half of the elements (plus padding of odd rows)
+    assert "replica torch.float32" in res.stdout  # the CPU's compute dtype: exact

@@ -48,7 +48,7 @@ from ..distributed import (
 )
 from ..evaluation import evaluate_policy
 from ..files import atomic_write_json, read_json
-from ..fsdp import check_fsdp_run
+from ..fsdp import check_fsdp_run, load_for_run
 from ..interrupts import exit_status
 from ..training import GRPOConfig
 from ..validation import arg_type, positive_int
@@ -305,7 +305,8 @@ def _distill(run: DistillRun, device) -> dict:
     data.update(teacher_accuracy=teacher_accuracy, generation=stats)
     run_on_main(atomic_write_json, out / "data.json", data)
     del teacher
-    student, student_tok = load_pretrained(ckpt or data["student"], device=device, dtype=dtype)
+    student, student_tok = load_for_run(ckpt or data["student"], device, dtype,
+                                        sharded=config.fsdp)  # FSDP: a sharded start
     if is_main():
         where = "" if world_size() == 1 else f" ({device.type} x {world_size()} processes)"
         print(f"student {data['student']}: {len(records)} traces; run dir {out}{where}")

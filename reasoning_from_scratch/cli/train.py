@@ -46,12 +46,11 @@ from ..distributed import (
     world_size,
 )
 from ..files import atomic_write_json, read_json
-from ..fsdp import check_fsdp_run
+from ..fsdp import check_fsdp_run, load_for_run
 from ..interrupts import exit_status
 from ..tracking import REPORT_CHOICES, missing_backend, report_targets
 from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
 from ..validation import arg_type, optional_positive_int
-from ..weights import load_pretrained
 from .arguments import add_model_argument, add_runtime_arguments
 from .launch import add_timeout_argument, run_in_process_group
 
@@ -273,8 +272,8 @@ def run_cli(argv, description, defaults: GRPOConfig, run_prefix):
 def _train(run: TrainRun, device):
     """`run_training` once the process group (if any) is joined."""
     config, data = run.config, run.data
-    model, tokenizer = load_pretrained(run.model_source, device=device,
-                                       dtype=getattr(torch, run.dtype))
+    model, tokenizer = load_for_run(run.model_source, device, getattr(torch, run.dtype),
+                                    sharded=config.fsdp)  # FSDP: a sharded start
     train, held_out = load_grpo_data(data["dataset"], data["train_examples"], data["eval_split"],
                                      config.eval_examples, data.get("train_level_weights"))
     if is_main():
