@@ -42,9 +42,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .distributed import run_on_main
 from .qwen3 import QWEN3_0_6B_CONFIG, Qwen3Config, Qwen3Model
 from .tokenizer import Qwen3Tokenizer
-from .weights import load_hf_state_dict, load_pretrained, resolve_model_dir
+from .weights import checkpoint_index, load_hf_state_dict, load_pretrained, resolve_model_dir
 
 # FSDP2 and its setters arrived over several torch releases. Only `--fsdp` needs them: on a torch
 # without them every import here still works (the names below are then None), plain and
@@ -196,9 +197,9 @@ def shard_with_replica(model, device, dtype: torch.dtype | None = None):
 def load_model_sharded(model_dir, device, dtype: torch.dtype | None = None):
     """A sharded Qwen3Model from a HF-layout directory, whole on no process but rank 0's reader:
     built on the meta device, sharded (`shard_model`), given memory for its shards alone, then
-    filled by `set_model_state_dict(..., broadcast_from_rank0=True)` (rank 0 reads the weights,
-    each tensor is broadcast and every process keeps its shard). dtype: of the master weights
-    (default fp32)."""
+    filled by `set_model_state_dict(..., broadcast_from_rank0=True)`: rank 0 reads the weights a
+    group of tensors at a time (`_load_groups`), each tensor is broadcast and every process
+    keeps its shard. dtype: of the master weights (default fp32)."""
     model_dir = resolve_model_dir(model_dir)
     cfg = Qwen3Config.from_json(Path(model_dir) / "config.json")
     dtype = dtype or torch.float32
@@ -206,14 +207,44 @@ def load_model_sharded(model_dir, device, dtype: torch.dtype | None = None):
         model = Qwen3Model(cfg).to(dtype)
     shard_model(model, mixed_precision(device))
     model.to_empty(device=device)  # this process's shards only
-    full = {}
-    if dist.get_rank() == 0:
-        full = load_hf_state_dict(model_dir, dtype=dtype)
-        if cfg.tie_word_embeddings:  # one tensor under both names, as the model has it
-            full["lm_head.weight"] = full["model.embed_tokens.weight"]
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
-                                                               broadcast_from_rank0=True))
+    groups = _load_groups(model)
+    run_on_main(_check_holds, model_dir, [n for g in groups for n in g])  # else all raise
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    for names in groups:  # the same groups, in the same order, on every process
+        full = load_hf_state_dict(model_dir, dtype=dtype, names=names) \
+            if dist.get_rank() == 0 else {}
+        set_model_state_dict(model, full, options=options)  # the others get their shards
+        del full
     return model.eval()
+
+
+# Tensors read and broadcast at a time by `load_model_sharded` (elements): rank 0 then never
+# holds the whole model beside its shards, only a group of this size.
+LOAD_GROUP_NUMEL = 1 << 26
+
+
+def _check_holds(model_dir, names) -> None:
+    """Raise ValueError if the checkpoint in `model_dir` lacks any of `names`."""
+    missing = sorted(set(names) - set(checkpoint_index(model_dir)))
+    if missing:
+        raise ValueError(f"{model_dir} lacks {len(missing)} tensor(s) of the model: "
+                         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
+def _load_groups(model) -> list[list[str]]:
+    """The model's tensor names in groups of at most LOAD_GROUP_NUMEL elements (a larger
+    tensor alone); a tied lm_head is left out (it is the embedding's parameter)."""
+    tied = model.cfg.tie_word_embeddings
+    groups, size = [], 0
+    for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        if not groups or size + t.numel() > LOAD_GROUP_NUMEL:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += t.numel()
+    return groups
 
 
 def load_for_run(name_or_path, device, dtype: torch.dtype | None, sharded: bool):

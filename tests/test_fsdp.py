@@ -269,15 +269,17 @@ def test_process_supervision_scores_with_the_unsharded_replica(tmp_path):
     assert len(json.loads((out / "summary.json").read_text())["shards"]) == 2
 
 
-# The sharded start (`fsdp.load_model_sharded`): built on the meta device, sharded, filled by a
-# broadcast from rank 0; then `shard_with_replica` builds the replica from the shards. Rank 0
-# saves the gathered weights, the replica's and its share of the elements.
+# The sharded start (`fsdp.load_model_sharded`): built on the meta device, sharded, filled by
+# broadcasts from rank 0, a group of tensors at a time; then `shard_with_replica` builds the
+# replica from the shards. Rank 0 saves the gathered weights, the replica's and its share of
+# the elements.
 SHARDED_START_WORKER = r"""
 import sys
 import torch, torch.distributed as dist
 from safetensors.torch import save_file
 from reasoning_from_scratch import distributed, fsdp
 distributed.init_distributed(torch.device("cpu"))
+fsdp.LOAD_GROUP_NUMEL = 50_000  # rank 0 reads and broadcasts the weights in many groups
 model = fsdp.load_model_sharded("tiny-arith", torch.device("cpu"))
 model, replica = fsdp.shard_with_replica(model, torch.device("cpu"))
 state = fsdp.full_state(model)
