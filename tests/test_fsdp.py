@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_distributed import FLAGS as DP_FLAGS
 from test_distributed import REWARD_COLUMNS, _max_diff, _rows, _run_here, _torchrun, _weights
 
-from reasoning_from_scratch import training
+from reasoning_from_scratch import distributed, fsdp, training
 from reasoning_from_scratch.datasets import load_dataset_by_name
 from reasoning_from_scratch.fsdp import (
     QWEN3_SIZES,
@@ -33,7 +33,7 @@ from reasoning_from_scratch.grpo import collect_rollouts
 from reasoning_from_scratch.qwen3 import Qwen3Model
 from reasoning_from_scratch.rewards import build_reward
 from reasoning_from_scratch.run_log import read_metrics
-from reasoning_from_scratch.weights import load_pretrained
+from reasoning_from_scratch.weights import load_pretrained, save_pretrained
 
 # test_distributed's recipe (DAPO's token mean, batch-std advantages, dynamic sampling: uneven
 # shares, so the processes run different numbers of micro-batches; two inner epochs, old
@@ -309,3 +309,17 @@ def test_a_sharded_start_loads_the_model_without_a_whole_copy(tmp_path):
     local = int(res.stdout.split("local ")[1].split()[0])
     assert n / 2 <= local <= n / 2 + 4096  # half of the elements (plus padding of odd rows)
     assert "replica torch.float32" in res.stdout  # the CPU's compute dtype: exact
+
+
+def test_a_sharded_start_refuses_a_checkpoint_without_a_tensor(tmp_path):
+    model, tok = load_pretrained("tiny-arith", device="cpu")
+    save_pretrained(model, tok, tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    distributed.init_distributed("cpu", group_of_one=True)
+    try:
+        with pytest.raises(ValueError, match="lacks 1 tensor.*model.norm.weight"):
+            fsdp.load_model_sharded(tmp_path, torch.device("cpu"))
+    finally:
+        distributed.shutdown_distributed()
