@@ -30,6 +30,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -134,8 +135,8 @@ def measure_startup(shape, processes, dtype_name):
             res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             if res.returncode:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
-            rows = [json.loads(line.split("STARTUP ", 1)[1])
-                    for line in res.stdout.splitlines() if line.startswith("STARTUP ")]
+            # the processes print at once: their lines may run into each other
+            rows = [json.loads(m) for m in re.findall(r"STARTUP (\{[^}]*\})", res.stdout)]
             peaks[mode] = [r["peak_bytes"] for r in sorted(rows, key=lambda r: r["rank"])]
     print(f"start-up peak per process above baseline, {shape} shape ({n / 1e9:.2f} B "
           f"parameters), {processes} Gloo processes, replica {dtype_name}")

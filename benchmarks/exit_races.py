@@ -14,7 +14,7 @@ program still races, by running each of them `--runs` times:
 
 A run counts as an abort when a process died of a signal or C++'s terminate ran (the text in
 stderr); as another failure when it exited non-zero otherwise. Not a test (it takes minutes):
-tests/test_exit_races.py runs it once per target.
+tests/test_process_group.py runs three targets once.
 
     python benchmarks/exit_races.py --runs 50
     python benchmarks/exit_races.py --runs 10 --targets ch07 ch07-fsdp
