@@ -323,3 +323,12 @@ def test_a_sharded_start_refuses_a_checkpoint_without_a_tensor(tmp_path):
             fsdp.load_model_sharded(tmp_path, torch.device("cpu"))
     finally:
         distributed.shutdown_distributed()
+
+
+def test_bench_fsdp_measures_the_start_up_of_both_starts(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import bench_fsdp
+    out = bench_fsdp.main(["--startup", "--startup-model", "tiny", "--processes", "2"])
+    assert set(out["peaks"]) == {"before", "sharded"}
+    assert all(len(per_rank) == 2 and min(per_rank) >= 0 for per_rank in out["peaks"].values())
+    assert out["params"] == 834_816 and out["ratio"] > 0
