@@ -12,18 +12,38 @@ numbers depend on the machine (and on what else runs on it).
 
     python benchmarks/bench_fsdp.py                        # 5 steps, 2 processes, 2 repeats
     python benchmarks/bench_fsdp.py --steps 10 --repeats 3
+
+--startup measures instead the peak memory of each process while an FSDP run starts, for a
+random model of the Qwen3-0.6B shape saved in HF layout (2.4 GB on disk), the way the package
+started before (every process loads the whole fp32 model, deep-copies it for the rollout replica,
+casts the copy to the replica's dtype, then shards) against the sharded start (built on the meta
+device, sharded, filled by a broadcast from rank 0 (`fsdp.load_model_sharded`), the replica
+built empty in its dtype and filled from the shards (`fsdp.shard_with_replica`)). The peak is
+the process's maximum resident set size above what it held before the start, in GB and in
+bytes per parameter. The replica dtype: float32 (the CPU's compute dtype) or bfloat16 (CUDA's).
+
+    python benchmarks/bench_fsdp.py --startup                      # 0.6B shape, 2 processes
+    python benchmarks/bench_fsdp.py --startup --startup-model tiny # the bundled model (seconds)
 """
 
 import argparse
+import copy
+import json
 import os
+import re
+import resource
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
+from reasoning_from_scratch import distributed, fsdp
+from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, Qwen3Model
 from reasoning_from_scratch.run_log import read_metrics
 from reasoning_from_scratch.validation import positive_int
-from reasoning_from_scratch.weights import load_pretrained
+from reasoning_from_scratch.weights import load_pretrained, resolve_model_dir, save_pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"data-parallel": [], "fsdp": ["--fsdp"]}
@@ -56,7 +76,83 @@ def max_weight_diff(a, b):
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
+def _max_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def start_old(model_dir, dtype):
+    """How an FSDP run started before: the whole fp32 model on every process, deep-copied and
+    cast for the replica, then sharded."""
+    model = load_pretrained(model_dir, device="cpu")[0]
+    replica = copy.deepcopy(model).eval().requires_grad_(False).to(dtype)
+    fsdp.shard_model(model)
+    return model, replica
+
+
+def start_sharded(model_dir, dtype):
+    """The sharded start: `load_model_sharded`, then the replica from the shards."""
+    model = fsdp.load_model_sharded(model_dir, torch.device("cpu"))
+    return fsdp.shard_with_replica(model, torch.device("cpu"), dtype)
+
+
+STARTS = {"before": start_old, "sharded": start_sharded}
+
+
+def startup_worker(mode, model_dir, dtype_name):
+    """One torchrun process of `--startup`: start, then print its peak above the baseline."""
+    distributed.init_distributed(torch.device("cpu"))
+    base = _max_rss_bytes()
+    model, replica = STARTS[mode](model_dir, getattr(torch, dtype_name))
+    peak = _max_rss_bytes() - base
+    print("STARTUP " + json.dumps({"rank": distributed.rank(), "peak_bytes": peak}), flush=True)
+    distributed.shutdown_distributed()
+
+
+def random_model_dir(out, shape):
+    """A random model of `shape` ("0.6B": Qwen3-0.6B's config; "tiny": the bundled model's)
+    in HF layout under `out`, with the bundled tokenizer; returns (dir, parameter count)."""
+    _, tok = load_pretrained("tiny-arith", device="cpu")
+    if shape == "tiny":
+        return resolve_model_dir("tiny-arith"), fsdp.count_parameters(
+            load_pretrained("tiny-arith", device="cpu")[0].cfg)
+    torch.manual_seed(0)
+    model = Qwen3Model(QWEN3_0_6B_CONFIG)
+    save_pretrained(model, tok, out)
+    return out, fsdp.count_parameters(QWEN3_0_6B_CONFIG)
+
+
+def measure_startup(shape, processes, dtype_name):
+    """{mode: [peak bytes of each rank]} for both starts, one torchrun each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, n = random_model_dir(Path(tmp) / "model", shape)
+        peaks = {}
+        for mode in STARTS:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(processes), __file__, "--startup-worker", mode,
+                   str(model_dir), dtype_name]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            if res.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
+            # the processes print at once: their lines may run into each other
+            rows = [json.loads(m) for m in re.findall(r"STARTUP (\{[^}]*\})", res.stdout)]
+            peaks[mode] = [r["peak_bytes"] for r in sorted(rows, key=lambda r: r["rank"])]
+    print(f"start-up peak per process above baseline, {shape} shape ({n / 1e9:.2f} B "
+          f"parameters), {processes} Gloo processes, replica {dtype_name}")
+    for mode, per_rank in peaks.items():
+        cells = ", ".join(f"rank {r}: {b / 1e9:.2f} GB ({b / n:.1f} B/param)"
+                          for r, b in enumerate(per_rank))
+        print(f"  {mode:8} {cells}")
+    ratio = max(peaks["sharded"]) / max(peaks["before"])
+    print(f"  largest process, sharded / before: {ratio:.2f}x")
+    return {"peaks": peaks, "params": n, "ratio": ratio}
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--startup-worker"]:  # one process of measure_startup
+        return startup_worker(*argv[1:4])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=positive_int, default=5)
     p.add_argument("--processes", type=positive_int, default=2)
@@ -65,7 +161,16 @@ def main(argv=None):
     p.add_argument("--num-rollouts", type=positive_int, default=8)
     p.add_argument("--max-new-tokens", type=positive_int, default=112)
     p.add_argument("--eval-examples", type=positive_int, default=4)
+    p.add_argument("--startup", action="store_true",
+                   help="measure the start-up peak memory per process instead (see above)")
+    p.add_argument("--startup-model", choices=("0.6B", "tiny"), default="0.6B",
+                   help="--startup: a random Qwen3-0.6B-shaped model, or the bundled one")
+    p.add_argument("--replica-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="--startup: the rollout replica's dtype (float32 on the CPU, "
+                        "bfloat16 on CUDA)")
     args = p.parse_args(argv)
+    if args.startup:
+        return measure_startup(args.startup_model, args.processes, args.replica_dtype)
     flags = ["--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
              "--num-rollouts", str(args.num_rollouts), "--max-new-tokens",
              str(args.max_new_tokens), "--eval-examples", str(args.eval_examples),

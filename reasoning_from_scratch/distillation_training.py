@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from .checkpoints import (
@@ -38,21 +37,18 @@ from .distributed import (
     all_gather_objects,
     any_rank,
     barrier,
-    check_same_on_all_ranks,
+    check_replicas_agree,
     is_main,
-    params_checksum,
     run_on_main,
     world_size,
 )
 from .evaluation import EVAL_FIGURES, evaluate_policy
 from .files import atomic_write_json
 from .fsdp import (
-    make_replica,
-    mixed_precision,
     refresh_replica,
     save_sharded,
-    shard_model,
     shard_sizes,
+    shard_with_replica,
 )
 from .generation import compile_decoding
 from .interrupts import (
@@ -259,9 +255,7 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
     eval_set = list(eval_examples)[:config.eval_examples]
     replica = None
     if config.fsdp:  # shard before the optimizer exists: AdamW then holds shards only
-        replica = make_replica(student, torch.bfloat16 if torch.device(device).type == "cuda"
-                               else None)
-        shard_model(student, mixed_precision(device))
+        student, replica = shard_with_replica(student, device)
     policy = student if replica is None else replica  # what evaluates
 
     def evaluate_now():
@@ -347,8 +341,6 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
             hook("final_eval", run.completed)
             final = evaluate_now()
             stop_if_interrupted(interrupted)
-            if world > 1:  # the replicas must have made identical updates
-                check_same_on_all_ranks(params_checksum(policy.parameters()), "model weights")
             with defer_interrupts():
                 hook("final_save", run.completed)
                 run.last_eval = final
@@ -360,6 +352,8 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
                                    time.time() - t_start)
                 run_on_main(_write_summary, out, summary)
                 run.tracker.close()
+            # the replicas must have made identical updates (checked once the files are safe)
+            check_replicas_agree(policy)
         except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal (SIGTERM, ...)
             with defer_interrupts():
                 path = run.checkpoint()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,16 @@ import torch.distributed as dist
 # Gradients are summed in flat buckets of at most this many elements: one collective per bucket
 # instead of one per parameter (hundreds for Qwen3), without a second copy of a large model.
 GRAD_BUCKET_NUMEL = 1 << 24
+
+# How long a collective waits for the other processes before it fails the run (minutes). Work that
+# one process does while the others wait in the next collective must fit: rank 0's checkpoint and
+# Hugging Face writes, the base evaluation's stragglers. NCCL's own default is 10 minutes.
+DEFAULT_TIMEOUT_MINUTES = 30.0
+
+# How long a process leaving the group waits for the others (seconds, `shutdown_distributed`).
+# After a normal end or a stop signal they all come within moments; after an error on one
+# process the others may never come (they wait in a collective until torchrun stops them).
+LEAVE_TIMEOUT_S = 30.0
 
 # What torchrun sets for every worker (see `launched_by_torchrun`).
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -75,42 +86,78 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def init_distributed(device: torch.device) -> torch.device:
-    """Join torchrun's process group (NCCL on CUDA, Gloo on CPU); returns this rank's device.
+def backend_for(device) -> str:
+    """The process group's backend for `device`: NCCL between CUDA GPUs, Gloo between CPUs."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
-    Outside torchrun, or when already initialised, nothing happens and `device` comes back.
-    On CUDA every rank takes GPU LOCAL_RANK of its machine: one process per GPU.
+
+def init_distributed(device: torch.device, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
+                     group_of_one: bool = False) -> torch.device:
+    """Join torchrun's process group (`backend_for` the device); returns this rank's device.
+
+    Outside torchrun nothing happens and `device` comes back, unless `group_of_one`: then a
+    group of this process alone (in-memory store), which FSDP needs even for one process.
+    Already initialised: nothing happens. On CUDA every rank takes GPU LOCAL_RANK of its
+    machine: one process per GPU. timeout_minutes: how long any collective may wait for the
+    other processes before it fails (`DEFAULT_TIMEOUT_MINUTES`).
     """
     device = torch.device(device)
-    if not launched_by_torchrun() or is_distributed():
+    if timeout_minutes <= 0:
+        raise ValueError(f"the process group timeout must be positive, got {timeout_minutes} "
+                         "minutes")
+    torchrun = launched_by_torchrun()
+    if is_distributed() or not (torchrun or group_of_one):
         return device
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"data-parallel runs need CUDA or CPU processes, not {device.type} "
                          "(torch.distributed has no backend for it)")
-    local = int(os.environ["LOCAL_RANK"])
+    local = int(os.environ["LOCAL_RANK"]) if torchrun else 0
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", local)
-        elif env_world_size() > 1 and device.index != local:
+        elif torchrun and env_world_size() > 1 and device.index != local:
             raise ValueError(f"--device {device}: under torchrun each process takes GPU "
                              "LOCAL_RANK; pass --device cuda (choose GPUs with "
                              "CUDA_VISIBLE_DEVICES)")
         torch.cuda.set_device(device)  # NCCL and the object collectives use the current GPU
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(minutes=timeout_minutes)
+    if torchrun:  # the rendezvous from torchrun's environment variables
+        dist.init_process_group(backend_for(device), timeout=timeout)
+    else:
+        dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0,
+                                world_size=1, timeout=timeout)
     return device
 
 
-def shutdown_distributed(wait: bool = False) -> None:
-    """Leave the process group (if any), so the process exits without a warning.
+def shutdown_distributed(timeout_s: float = LEAVE_TIMEOUT_S) -> None:
+    """Meet the other processes, then leave the process group (if any); every way out of a
+    data-parallel program (an entry point, a test worker) ends here.
 
-    wait: meet the other processes first (after a run that ended normally on every process), so
-    none tears down its Gloo threads while another still talks to it; never after an error,
-    where the others may not come.
+    Why always meet: destroying a Gloo group stops this process's connection threads, and a
+    process that leaves while another is still exchanging the last collective's messages with
+    it aborts that other ("terminate called without an active exception": SIGABRT at exit, at
+    random). A process that never comes (one that failed, or one waiting in another collective)
+    is waited for `timeout_s` seconds at most; then this one leaves anyway.
     """
-    if is_distributed():
-        if wait and dist.get_world_size() > 1:
-            dist.barrier()
-        dist.destroy_process_group()
+    if not is_distributed():
+        return
+    if dist.get_world_size() > 1:
+        try:
+            _meet(timeout_s)
+        except RuntimeError:  # someone did not come in time: leave without them
+            pass
+    dist.destroy_process_group()
+
+
+def _meet(timeout_s: float) -> None:
+    """A barrier that gives up after `timeout_s` (RuntimeError): Gloo's monitored barrier
+    (point-to-point with rank 0, so it cannot pair up with another process's collective), or
+    an asynchronous NCCL barrier waited for at most that long."""
+    timeout = timedelta(seconds=timeout_s)
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=timeout)
+    else:
+        dist.barrier(async_op=True).wait(timeout=timeout)
 
 
 def refuse_multiple_processes(script: str, why: str) -> None:
@@ -231,9 +278,20 @@ def all_reduce_grads(params, bucket_numel: int = GRAD_BUCKET_NUMEL) -> None:
             p.grad.copy_(g.view_as(p.grad))
 
 
+# Elements summed at a time by `params_checksum`: its float64 copy is this small, whatever the
+# tensor (a whole 8B embedding in float64 would be 5 GB).
+CHECKSUM_CHUNK_NUMEL = 1 << 20
+
+
+@torch.no_grad()
 def params_checksum(params) -> float:
-    """Sum of every parameter in float64: a cheap fingerprint to compare weights across ranks."""
-    return float(sum(p.detach().double().sum() for p in params))
+    """Sum of every parameter element in float64: a cheap fingerprint to compare weights across
+    ranks. Summed chunk by chunk, so no tensor is ever copied whole to float64."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        for chunk in p.detach().reshape(-1).split(CHECKSUM_CHUNK_NUMEL):
+            total += chunk.sum(dtype=torch.float64).cpu()
+    return float(total)
 
 
 def check_same_on_all_ranks(value: float, what: str) -> None:
@@ -241,6 +299,14 @@ def check_same_on_all_ranks(value: float, what: str) -> None:
     values = all_gather_objects(value)
     if any(v != values[0] for v in values):
         raise RuntimeError(f"{what} differs between ranks: {values}")
+
+
+def check_replicas_agree(model) -> None:
+    """Raise RuntimeError on every rank if `model`'s weights differ between the ranks (their
+    `params_checksum`); nothing in a group of one. Runs after the final save, so a run whose
+    replicas drifted apart still leaves its files, and then fails."""
+    if world_size() > 1:
+        check_same_on_all_ranks(params_checksum(model.parameters()), "model weights")
 
 
 def run_on_main(fn: Callable, *args, **kwargs):

@@ -67,10 +67,9 @@ from .distributed import (
     all_reduce_sum,
     any_rank,
     barrier,
-    check_same_on_all_ranks,
+    check_replicas_agree,
     gather_groups,
     is_main,
-    params_checksum,
     rank,
     run_on_main,
     shard,
@@ -84,12 +83,10 @@ from .fsdp import (
     full_tensor,
     is_sharded,
     local_tensor,
-    make_replica,
-    mixed_precision,
     refresh_replica,
     save_sharded,
-    shard_model,
     shard_sizes,
+    shard_with_replica,
 )
 from .generation import compile_decoding, stop_token_ids, warm_up_decoding
 from .grpo import (
@@ -732,9 +729,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     hook = phase_hook or (lambda phase, step: None)
     replica = None
     if config.fsdp:  # shard before the optimizer exists: AdamW then holds shards only
-        replica = make_replica(model, torch.bfloat16 if torch.device(device).type == "cuda"
-                               else None)
-        shard_model(model, mixed_precision(device))
+        model, replica = shard_with_replica(model, device)
     policy = model if replica is None else replica  # what samples and evaluates
     if config.supervision == "process" and advantage_fn is None:
         advantage_fn = _process_advantage_fn(policy, tokenizer, device, config)
@@ -831,9 +826,6 @@ def _finish(run, evaluate_now, interrupted, hook, eval_examples, t_start):
     hook("final_eval", run.completed)
     final = evaluate_now()
     stop_if_interrupted(interrupted)
-    if world_size() > 1:  # the replicas must have made identical updates
-        weights = run.model if run.replica is None else run.replica
-        check_same_on_all_ranks(params_checksum(weights.parameters()), "model weights")
     with defer_interrupts():
         hook("final_save", run.completed)
         run.last_eval = final
@@ -842,6 +834,8 @@ def _finish(run, evaluate_now, interrupted, hook, eval_examples, t_start):
         summary = _summary(run, final, eval_examples, time.time() - t_start)
         run_on_main(_write_summary, run.out, summary, plot_columns(run.config))
         run.tracker.close()
+    # the replicas must have made identical updates (checked once the files are safe)
+    check_replicas_agree(run.model if run.replica is None else run.replica)
     return final, summary
 
 

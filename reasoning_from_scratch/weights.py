@@ -209,9 +209,14 @@ def _read_tensors(where: dict[str, Path], device, dtype) -> dict[str, torch.Tens
     return out
 
 
-def load_hf_state_dict(model_dir: PathLike, device="cpu", dtype=None) -> dict[str, torch.Tensor]:
-    """All tensors of a HF-layout checkpoint (model.safetensors or sharded index)."""
-    return _read_tensors(checkpoint_index(model_dir), device, dtype)
+def load_hf_state_dict(model_dir: PathLike, device="cpu", dtype=None,
+                       names=None) -> dict[str, torch.Tensor]:
+    """All tensors of a HF-layout checkpoint (model.safetensors or sharded index); `names`:
+    only these (those the checkpoint holds)."""
+    where = checkpoint_index(model_dir)
+    if names is not None:
+        where = {n: where[n] for n in names if n in where}
+    return _read_tensors(where, device, dtype)
 
 
 def _check_tensors(model: Qwen3Model, shapes: dict[str, tuple], where: dict, cfg_path: Path):

@@ -39,15 +39,12 @@ import torch
 from reasoning_from_scratch.distillation import read_traces, write_traces
 from reasoning_from_scratch.distillation_training import DistillConfig, train_distillation
 from reasoning_from_scratch.distributed import init_distributed, shutdown_distributed
-from reasoning_from_scratch.fsdp import init_group_of_one
 from reasoning_from_scratch.interrupts import exit_status
 from reasoning_from_scratch.weights import load_pretrained
 spec = json.loads(open(sys.argv[1]).read())
 torch.set_num_threads(1)
-device = init_distributed(torch.device("cpu"))
 config = DistillConfig(**spec["config"])
-if config.fsdp:
-    init_group_of_one()
+device = init_distributed(torch.device("cpu"), group_of_one=config.fsdp)
 stop = spec.get("stop")
 def hook(phase, step):
     if stop and os.environ.get("RANK", "0") == str(stop[0]) and [phase, step] == stop[1:]:
@@ -57,9 +54,9 @@ try:
     train_distillation(model, tok, spec["traces"], spec["held_out"], device, config,
                        resume_from=spec.get("resume"), phase_hook=hook)
 except KeyboardInterrupt as err:
-    shutdown_distributed()
     sys.exit(exit_status(err))
-shutdown_distributed()
+finally:  # every process meets the others before it leaves the group
+    shutdown_distributed()
 '''
 
 

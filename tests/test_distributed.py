@@ -437,9 +437,8 @@ def _helpers_worker(rank_, init_file, out_dir):
                     "sum": distributed.all_reduce_sum([rank_ + 1, 0.5]),
                     "gathered": distributed.gather_lists(distributed.shard(list(range(5))))},
                    f"{out_dir}/{rank_}.pt")
-        torch.distributed.barrier()  # no process tears down Gloo while the other still talks
-    finally:
-        torch.distributed.destroy_process_group()
+    finally:  # meets the other process first: none tears down Gloo while the other talks
+        distributed.shutdown_distributed()
 
 
 def test_helpers_in_a_group_of_two_processes(tmp_path):

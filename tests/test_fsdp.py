@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_distributed import FLAGS as DP_FLAGS
 from test_distributed import REWARD_COLUMNS, _max_diff, _rows, _run_here, _torchrun, _weights
 
-from reasoning_from_scratch import training
+from reasoning_from_scratch import distributed, fsdp, training
 from reasoning_from_scratch.datasets import load_dataset_by_name
 from reasoning_from_scratch.fsdp import (
     QWEN3_SIZES,
@@ -33,7 +33,7 @@ from reasoning_from_scratch.grpo import collect_rollouts
 from reasoning_from_scratch.qwen3 import Qwen3Model
 from reasoning_from_scratch.rewards import build_reward
 from reasoning_from_scratch.run_log import read_metrics
-from reasoning_from_scratch.weights import load_pretrained
+from reasoning_from_scratch.weights import load_pretrained, save_pretrained
 
 # test_distributed's recipe (DAPO's token mean, batch-std advantages, dynamic sampling: uneven
 # shares, so the processes run different numbers of micro-batches; two inner epochs, old
@@ -118,7 +118,7 @@ from safetensors.torch import save_file
 from reasoning_from_scratch import distributed, fsdp, training
 sys.path.insert(0, sys.argv[2])
 from test_fsdp import fixed_batch
-dist.init_process_group("gloo")
+distributed.init_distributed(torch.device("cpu"))
 model, batch, config = fixed_batch()
 fsdp.shard_model(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
@@ -128,7 +128,7 @@ state = fsdp.full_state(model)
 if dist.get_rank() == 0:
     save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[1])
     print("grad_norm", stats["grad_norm"])
-distributed.shutdown_distributed(wait=True)  # meet before Gloo's threads go (rank 0 saved)
+distributed.shutdown_distributed()  # meets the other process before Gloo's threads go
 """
 
 
@@ -145,9 +145,8 @@ def fixed_batch():
     return model, batch, config
 
 
-def test_a_process_without_rows_keeps_the_others_company(tmp_path):
-    """Uneven micro-batch counts (8 rows against none) meet in every collective, and the
-    update is the one-process update on the whole batch."""
+def launch_uneven(tmp_path):
+    """UNEVEN_WORKER under `torchrun --nproc-per-node 2`; (finished process, weights file)."""
     script = tmp_path / "uneven.py"
     script.write_text(UNEVEN_WORKER)
     out = tmp_path / "weights.safetensors"
@@ -156,6 +155,13 @@ def test_a_process_without_rows_keeps_the_others_company(tmp_path):
                           str(Path(__file__).parent)],
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return res, out
+
+
+def test_a_process_without_rows_keeps_the_others_company(tmp_path):
+    """Uneven micro-batch counts (8 rows against none) meet in every collective, and the
+    update is the one-process update on the whole batch."""
+    res, out = launch_uneven(tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     model, batch, config = fixed_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
@@ -261,3 +267,68 @@ def test_process_supervision_scores_with_the_unsharded_replica(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out / "metrics.csv")] == [1.0, 2.0]
     assert len(json.loads((out / "summary.json").read_text())["shards"]) == 2
+
+
+# The sharded start (`fsdp.load_model_sharded`): built on the meta device, sharded, filled by
+# broadcasts from rank 0, a group of tensors at a time; then `shard_with_replica` builds the
+# replica from the shards. Rank 0 saves the gathered weights, the replica's and its share of
+# the elements.
+SHARDED_START_WORKER = r"""
+import sys
+import torch, torch.distributed as dist
+from safetensors.torch import save_file
+from reasoning_from_scratch import distributed, fsdp
+distributed.init_distributed(torch.device("cpu"))
+fsdp.LOAD_GROUP_NUMEL = 50_000  # rank 0 reads and broadcasts the weights in many groups
+model = fsdp.load_model_sharded("tiny-arith", torch.device("cpu"))
+model, replica = fsdp.shard_with_replica(model, torch.device("cpu"))
+state = fsdp.full_state(model)
+if dist.get_rank() == 0:
+    save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[1] + ".model")
+    save_file({k: v.clone() for k, v in replica.state_dict().items()}, sys.argv[1] + ".rep")
+    print("local", fsdp.local_numel(model.parameters()), "replica", replica.dtype)
+distributed.shutdown_distributed()
+"""
+
+
+def test_a_sharded_start_loads_the_model_without_a_whole_copy(tmp_path):
+    script = tmp_path / "start.py"
+    script.write_text(SHARDED_START_WORKER)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(script), str(tmp_path / "w")],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    whole = load_pretrained("tiny-arith", device="cpu")[0]
+    expected = whole.state_dict()
+    for suffix in ("model", "rep"):
+        got = load_file(tmp_path / f"w.{suffix}")
+        assert set(got) == set(expected)
+        assert all(torch.equal(got[k], v) for k, v in expected.items())  # bit for bit
+    n = sum(p.numel() for p in whole.parameters())
+    local = int(res.stdout.split("local ")[1].split()[0])
+    assert n / 2 <= local <= n / 2 + 4096  # half of the elements (plus padding of odd rows)
+    assert "replica torch.float32" in res.stdout  # the CPU's compute dtype: exact
+
+
+def test_a_sharded_start_refuses_a_checkpoint_without_a_tensor(tmp_path):
+    model, tok = load_pretrained("tiny-arith", device="cpu")
+    save_pretrained(model, tok, tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    distributed.init_distributed("cpu", group_of_one=True)
+    try:
+        with pytest.raises(ValueError, match="lacks 1 tensor.*model.norm.weight"):
+            fsdp.load_model_sharded(tmp_path, torch.device("cpu"))
+    finally:
+        distributed.shutdown_distributed()
+
+
+def test_bench_fsdp_measures_the_start_up_of_both_starts(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import bench_fsdp
+    out = bench_fsdp.main(["--startup", "--startup-model", "tiny", "--processes", "2"])
+    assert set(out["peaks"]) == {"before", "sharded"}
+    assert all(len(per_rank) == 2 and min(per_rank) >= 0 for per_rank in out["peaks"].values())
+    assert out["params"] == 834_816 and out["ratio"] > 0

@@ -41,19 +41,20 @@ from ..distillation_training import (
     train_distillation,
 )
 from ..distributed import (
+    DEFAULT_TIMEOUT_MINUTES,
     is_main,
     run_on_main,
     world_size,
 )
 from ..evaluation import evaluate_policy
 from ..files import atomic_write_json, read_json
-from ..fsdp import is_sharded_checkpoint
+from ..fsdp import check_fsdp_run, load_for_run
 from ..interrupts import exit_status
 from ..training import GRPOConfig
 from ..validation import arg_type, positive_int
 from ..weights import load_pretrained
 from .arguments import add_runtime_arguments, add_sampling_arguments
-from .launch import run_in_process_group
+from .launch import add_timeout_argument, run_in_process_group
 from .train import (
     add_data_arguments,
     add_report_argument,
@@ -137,6 +138,7 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bars")
     add_runtime_arguments(p)
+    add_timeout_argument(p)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of teacher and student")
     return p
@@ -202,10 +204,7 @@ def _resolve(parser, args, argv):
             if data["dataset"] != "arith":
                 data["train_level_weights"] = None
         config = DistillConfig.from_dict(values)
-        if ckpt and is_sharded_checkpoint(ckpt) != config.fsdp:  # the two kinds do not mix
-            kind = "with" if is_sharded_checkpoint(ckpt) else "without"
-            raise ValueError(f"{ckpt} was written by a run {kind} --fsdp; resume it {kind} "
-                             "--fsdp")
+        check_fsdp_run(config.fsdp, ckpt)
         check_report_backends(parser, config.report_to)
         return config, data, ckpt
     except (ValueError, FileNotFoundError, FileExistsError) as err:
@@ -247,6 +246,7 @@ class DistillRun:
     threads: int | None = 1  # torch CPU threads (0 or None: torch's default)
     dtype: str = "float32"
     overwrite: bool = False
+    dist_timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES  # collectives' patience (launch.py)
 
 
 def parse_distill_args(argv, description: str) -> DistillRun:
@@ -257,7 +257,7 @@ def parse_distill_args(argv, description: str) -> DistillRun:
     config, data, ckpt = _resolve(parser, args, argv)
     restart = bool(args.resume) and ckpt is None  # no checkpoint yet: the run starts over
     return DistillRun(config, data, ckpt, args.device, args.threads, args.dtype,
-                      args.overwrite or restart)
+                      args.overwrite or restart, args.dist_timeout_minutes)
 
 
 def run_distill_cli(argv, description: str) -> dict:
@@ -309,7 +309,8 @@ def _distill(run: DistillRun, device) -> dict:
     data.update(teacher_accuracy=teacher_accuracy, generation=stats)
     run_on_main(atomic_write_json, out / "data.json", data)
     del teacher
-    student, student_tok = load_pretrained(ckpt or data["student"], device=device, dtype=dtype)
+    student, student_tok = load_for_run(ckpt or data["student"], device, dtype,
+                                        sharded=config.fsdp)  # FSDP: a sharded start
     if is_main():
         where = "" if world_size() == 1 else f" ({device.type} x {world_size()} processes)"
         print(f"student {data['student']}: {len(records)} traces; run dir {out}{where}")

@@ -39,20 +39,20 @@ from ..checkpoints import (
 from ..datasets import DATASET_NAMES, load_dataset_by_name
 from ..device import check_device
 from ..distributed import (
+    DEFAULT_TIMEOUT_MINUTES,
     env_world_size,
     is_main,
     run_on_main,
     world_size,
 )
 from ..files import atomic_write_json, read_json
-from ..fsdp import is_sharded_checkpoint
+from ..fsdp import check_fsdp_run, load_for_run
 from ..interrupts import exit_status
 from ..tracking import REPORT_CHOICES, missing_backend, report_targets
 from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
 from ..validation import arg_type, optional_positive_int
-from ..weights import load_pretrained
 from .arguments import add_model_argument, add_runtime_arguments
-from .launch import run_in_process_group
+from .launch import add_timeout_argument, run_in_process_group
 
 # Help, range and choices of every GRPOConfig field live in its metadata (training.py)
 CONFIG_HELP = {f.name: f.metadata["help"] for f in fields(GRPOConfig)}
@@ -143,6 +143,7 @@ def build_parser(description, defaults: GRPOConfig, run_prefix):
                         "run's settings and data flags (flags given explicitly override them, "
                         "e.g. --steps)")
     add_runtime_arguments(p)
+    add_timeout_argument(p)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model dtype for training (float32 keeps small AdamW updates exact)")
     add_config_arguments(p, defaults)
@@ -220,10 +221,7 @@ def resolve_run(parser, args, argv, run_prefix):
         if data["dataset"] != "arith" and "train_level_weights" not in explicit:
             data["train_level_weights"] = None  # the level mix is the arithmetic world's default
         config = GRPOConfig.from_dict(values)
-        if ckpt and is_sharded_checkpoint(ckpt) != config.fsdp:  # the two kinds do not mix
-            kind = "with" if is_sharded_checkpoint(ckpt) else "without"
-            raise ValueError(f"{ckpt} was written by a run {kind} --fsdp; resume it {kind} "
-                             "--fsdp")
+        check_fsdp_run(config.fsdp, ckpt)
         check_report_backends(parser, config.report_to)
         check_report_backends(parser, config.report_to)
         if env_world_size() > config.prompts_per_step:
@@ -247,6 +245,7 @@ class TrainRun:
     threads: int | None = 1  # torch CPU threads (0 or None: torch's default)
     dtype: str = "float32"
     overwrite: bool = False
+    dist_timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES  # collectives' patience (launch.py)
 
 
 def parse_train_args(argv, description, defaults: GRPOConfig, run_prefix) -> TrainRun:
@@ -257,7 +256,7 @@ def parse_train_args(argv, description, defaults: GRPOConfig, run_prefix) -> Tra
     config, data, source, ckpt = resolve_run(parser, args, argv, run_prefix)
     restart = bool(args.resume) and ckpt is None  # no checkpoint yet: the run starts over
     return TrainRun(config, data, source, ckpt, args.device, args.threads, args.dtype,
-                    args.overwrite or restart)
+                    args.overwrite or restart, args.dist_timeout_minutes)
 
 
 def run_training(run: TrainRun):
@@ -274,8 +273,8 @@ def run_cli(argv, description, defaults: GRPOConfig, run_prefix):
 def _train(run: TrainRun, device):
     """`run_training` once the process group (if any) is joined."""
     config, data = run.config, run.data
-    model, tokenizer = load_pretrained(run.model_source, device=device,
-                                       dtype=getattr(torch, run.dtype))
+    model, tokenizer = load_for_run(run.model_source, device, getattr(torch, run.dtype),
+                                    sharded=config.fsdp)  # FSDP: a sharded start
     train, held_out = load_grpo_data(data["dataset"], data["train_examples"], data["eval_split"],
                                      config.eval_examples, data.get("train_level_weights"))
     if is_main():
