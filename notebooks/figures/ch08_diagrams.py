@@ -111,10 +111,9 @@ DIAGRAMS = {"ch08_outcome_vs_step_credit.png": credit_diagram,
 
 def main(out_dir: Path = HERE) -> None:
     """Draw every diagram into `out_dir`."""
-    out_dir = Path(out_dir)
-    for draw in DIAGRAMS.values():
-        draw(out_dir)
-    print("drawn:", ", ".join(name for name in DIAGRAMS))
+    for name, draw in DIAGRAMS.items():
+        draw(Path(out_dir))
+        print("drawn:", name)
 
 
 if __name__ == "__main__":
