@@ -223,19 +223,21 @@ def make_process_advantage_fn(
     pattern: str | None = None, model=None, device=None, mc_rollouts: int = 4,
     mc_max_new_tokens: int = 64, mc_temperature: float = 1.0, mc_generator=None,
     alpha: float = 1.0, verifiable_share: float = 0.1, credit_control: str = "none",
-    seed: int = 0,
+    seed: int = 0, mc_compile: bool = False,
 ) -> ProcessAdvantageFn:
     """A `ProcessAdvantageFn` from a scorer object or a spec string (verifier | verifier-signed |
     mc | mc-hard | prm:PATH | online-prm:PATH, see `build_step_scorer`); `mc` samples with
     `model`, the policy being trained, so its values follow the current policy. `alpha`: weight
     of the outcome-anchored variants' step credit; `verifiable_share`: PURE's share of groups
     with the outcome term; `credit_control`: "none", or a placebo of that credit ("flat",
-    "shuffled", seeded by `seed`; `process.control_credit`)."""
+    "shuffled", seeded by `seed`; `process.control_credit`); `mc_compile`: the Monte-Carlo
+    scorers decode with `generate`'s compiled step."""
     if isinstance(step_scorer, str):
         mc_kwargs = {}
         if step_scorer.startswith("mc"):
             mc_kwargs = dict(num_continuations=mc_rollouts, max_new_tokens=mc_max_new_tokens,
-                             temperature=mc_temperature, generator=mc_generator)
+                             temperature=mc_temperature, generator=mc_generator,
+                             compile=mc_compile)
         step_scorer = build_step_scorer(step_scorer, model, tokenizer, device, **mc_kwargs)
     return ProcessAdvantageFn(tokenizer, step_scorer, variant, split_mode, pattern, alpha,
                               verifiable_share, credit_control, seed)

@@ -881,17 +881,13 @@ def _process_advantage_fn(model, tokenizer, device, config):
     """Process supervision's token advantages from the config's step scorer (DeepSeekMath
     section 4.1.3); "mc" continues with the policy being trained (decoding compiled as
     `config.compile` says)."""
-    fn = make_process_advantage_fn(
+    return make_process_advantage_fn(
         tokenizer, config.step_scorer, config.process_variant, config.step_split,
         model=model, device=device, mc_rollouts=config.mc_rollouts,
         mc_max_new_tokens=config.max_new_tokens, mc_temperature=config.temperature,
         alpha=config.process_alpha, credit_control=config.process_credit_control,
-        seed=config.seed,
+        seed=config.seed, mc_compile=compile_decoding(config.compile, device),
     )
-    scorer = getattr(fn, "step_scorer", None)
-    if hasattr(scorer, "compile"):  # the scorers that decode (Monte-Carlo)
-        scorer.compile = compile_decoding(config.compile, device)
-    return fn
 
 
 def _log_step(run, row, samples):

@@ -9,6 +9,7 @@ from reasoning_from_scratch.process import process_advantages, split_steps, step
 from reasoning_from_scratch.process_supervision import (
     ProcessAdvantageFn,
     build_step_scorer,
+    make_process_advantage_fn,
     process_token_advantages,
 )
 from reasoning_from_scratch.prompts import render_prompt
@@ -270,8 +271,6 @@ def test_completion_steps_edge_cases(tokenizer):
 
 
 def test_make_process_advantage_fn_with_mc(tokenizer):
-    from reasoning_from_scratch.process_supervision import make_process_advantage_fn
-
     torch.manual_seed(0)
     model = Qwen3Model(tiny_config(vocab_size=tokenizer.vocab_size, num_hidden_layers=1)).eval()
     fn = make_process_advantage_fn(tokenizer, "mc", model=model, mc_rollouts=2,
@@ -428,3 +427,12 @@ def test_belief_probes_from_the_rollouts_caches_equal_re_reading_them(tokenizer)
     adv, _ = process_token_advantages(ro, EXAMPLE, tokenizer, scorer, variant="value-delta",
                                       outcome_advantages=torch.zeros(3))
     assert adv[0, 0].item() == pytest.approx(values[0][0] - scorer.last_prompt_value, abs=1e-5)
+
+
+def test_make_process_advantage_fn_passes_compile_to_the_monte_carlo_scorer():
+    """`mc_compile` reaches the scorers that decode; the verifier has nothing to compile."""
+    for spec in ("mc", "mc-branch"):
+        for flag in (False, True):
+            fn = make_process_advantage_fn(object(), spec, model=object(), mc_compile=flag)
+            assert fn.step_scorer.compile is flag
+    assert not hasattr(make_process_advantage_fn(object(), "verifier").step_scorer, "compile")
