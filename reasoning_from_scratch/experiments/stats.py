@@ -140,10 +140,17 @@ def jsonable(obj):
     return obj
 
 
+def _shown(settings, key):
+    """A setting's value for `settings_diff` ("(absent)" when the run lacks the key)."""
+    return repr(settings[key]) if key in settings else "(absent)"
+
+
 def settings_diff(a, b):
-    """The keys whose values differ, as "key: old -> new" (for error messages)."""
+    """The keys whose values differ, as "key: old -> new" (for error messages); a key that one
+    side lacks shows as "(absent)", so a setting added after a run was made is named too."""
     keys = sorted(set(a) | set(b), key=str)
-    return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k))
+    return ", ".join(f"{k}: {_shown(a, k)} -> {_shown(b, k)}" for k in keys
+                     if k not in a or k not in b or a[k] != b[k])
 
 
 def resume_point(run_dir, settings):
