@@ -13,6 +13,12 @@ Not a test: numbers depend on the machine.
     python benchmarks/bench_grpo_step.py                         # tiny size on the best device
     python benchmarks/bench_grpo_step.py --sizes tiny 0.6b --steps 2
     python benchmarks/bench_grpo_step.py --paths ours compiled --prompts 8 --max-new-tokens 112
+    python benchmarks/bench_grpo_step.py --paths ours compiled-update --warmup 2
+
+"compiled-update" is ours with the update's decoder blocks compiled: the reference's log-prob
+pass and the update pad the batch to one shape (`grpo.FixedShape`: prompts x G rows, the
+longest prompt + the token budget) and run the blocks through `grpo.compiled_block`; its
+warm-up compiles them (with and without gradients).
 """
 
 import argparse
@@ -31,6 +37,7 @@ from reasoning_from_scratch.cli.arguments import (
 from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.generation import sample_response
 from reasoning_from_scratch.grpo import (
+    FixedShape,
     batch_logprobs,
     collect_rollouts,
     compute_advantage_stats,
@@ -97,13 +104,15 @@ def ours_step(model, ref, opt, tok, prompts, args, device, gen, reward):
                              1.0, 1.0, gen, compile=getattr(args, "compile_rollouts", False))
     sync(device)
     t1 = time.perf_counter()
+    shape = getattr(args, "fixed_shape", None)  # the compiled update's padding, or None
     with torch.no_grad():
-        ref_logp, _ = batch_logprobs(ref, batch, with_entropy=False)
+        ref_logp, _ = batch_logprobs(ref, batch, with_entropy=False, fixed_shape=shape)
     sync(device)
     t2 = time.perf_counter()
     model.train()
     opt.zero_grad(set_to_none=True)
-    out = grpo_loss_on_batch(model, batch, None, ref_logp, "grpo", 0.2, None, args.beta)
+    out = grpo_loss_on_batch(model, batch, None, ref_logp, "grpo", 0.2, None, args.beta,
+                             fixed_shape=shape)
     out["loss"].backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -173,12 +182,13 @@ def run(size, args, device):
           f"{device} ==")
     results = {}
     for name in args.paths:
-        step_fn = {"book": book_step, "ours": ours_step, "compiled": ours_step}[name]
+        step_fn = book_step if name == "book" else ours_step
         args.compile_rollouts = name == "compiled"
         model = make_model(size, device).eval()
         ref = copy.deepcopy(model).requires_grad_(False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         tok = NoEosTokenizer(model.cfg.vocab_size)
+        args.fixed_shape = update_shape(tok, args) if name == "compiled-update" else None
         reward = TimedReward(CompositeReward([RewardTerm("correct", correctness_reward),
                                         RewardTerm("even", even_fraction)]))
         gen = torch.Generator(device=device).manual_seed(0)
@@ -200,7 +210,8 @@ def run(size, args, device):
               f"scoring {totals['scoring']:5.2f} | logprob {totals['logprob']:6.2f} | update "
               f"{totals['update']:6.2f} | {totals['tokens'] / totals['step']:8.1f} tok/s | "
               f"peak {totals['peak_mb']:.0f} MB | warm-up {warm_s:.1f} s"
-              + (" (compiles the decode step)" if name == "compiled" else ""))
+              + {"compiled": " (compiles the decode step)",
+                 "compiled-update": " (compiles the update's blocks)"}.get(name, ""))
         del model, ref, opt
     if "book" in results and "ours" in results:
         speedup = results["book"]["step"] / results["ours"]["step"]
@@ -209,7 +220,19 @@ def run(size, args, device):
         ours, fast = results["ours"], results["compiled"]
         print(f"compiled rollouts: step {ours['step'] / fast['step']:.2f}x, rollouts "
               f"{ours['rollout'] / fast['rollout']:.2f}x faster than eager (after the warm-up)")
+    if "ours" in results and "compiled-update" in results:
+        ours, fast = results["ours"], results["compiled-update"]
+        print(f"compiled update: reference log-probs {ours['logprob'] / fast['logprob']:.2f}x, "
+              f"update {ours['update'] / fast['update']:.2f}x, step "
+              f"{ours['step'] / fast['step']:.2f}x faster than eager (after the warm-up)")
     return results
+
+
+def update_shape(tok, args):
+    """The compiled update's one shape for this benchmark's batches: every rollout of a step,
+    the longest prompt, the token budget."""
+    longest = max(len(tok.encode(render_prompt(ex["problem"]))) for ex in prompts_for(args))
+    return FixedShape(args.prompts * args.G, longest, args.max_new_tokens)
 
 
 def prompts_for(args):
@@ -229,9 +252,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3, help="timed steps per path")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per path")
     p.add_argument("--paths", nargs="+", default=["book", "ours", "compiled"],
-                   choices=["book", "ours", "compiled"],
+                   choices=["book", "ours", "compiled", "compiled-update"],
                    help="implementations to time: the book's, ours, ours with compiled rollouts "
-                        "(`collect_rollouts(compile=True)`; the warm-up compiles) (on CPU the "
+                        "(`collect_rollouts(compile=True)`; the warm-up compiles), ours with "
+                        "the update's blocks compiled (compiled-update) (on CPU the "
                         "peak is the process's peak RSS, so run one path per process for "
                         "separate peaks)")
     add_threads_argument(p, None, "torch CPU threads (None: default)")
