@@ -18,7 +18,12 @@ Not a test: numbers depend on the machine.
 "compiled-update" is ours with the update's decoder blocks compiled: the reference's log-prob
 pass and the update pad the batch to one shape (`grpo.FixedShape`: prompts x G rows, the
 longest prompt + the token budget) and run the blocks through `grpo.compiled_block`; its
-warm-up compiles them (with and without gradients).
+warm-up compiles them (with and without gradients). On a shared machine the paths, timed one
+after the other, see different loads; `--interleave-update N` instead times the reference's
+log-probs + the update on one fixed batch, eager and compiled in turn, N times each, in wall
+and CPU time:
+
+    python benchmarks/bench_grpo_step.py --prompts 8 --max-new-tokens 112 --interleave-update 4
 """
 
 import argparse
@@ -53,6 +58,7 @@ from reasoning_from_scratch.rewards import (
     correctness_reward,
 )
 from reasoning_from_scratch.tiny_world import TINY_ARITH_ARCH
+from reasoning_from_scratch.validation import non_negative_int
 
 PROBLEMS = [{"problem": f"{a}+{b}*{c}", "answer": str(a + b * c)}
             for a, b, c in [(12, 3, 4), (7, 9, 2), (25, 4, 3), (18, 6, 5), (9, 8, 7), (30, 2, 2),
@@ -228,6 +234,51 @@ def run(size, args, device):
     return results
 
 
+def interleaved_update(size, args, device):
+    """Reference log-probs + update of one fixed batch, eager and compiled alternately
+    (`args.interleave_update` times each, after one untimed step of each: the compile);
+    returns {path: (wall seconds, CPU seconds)} per step."""
+    model = make_model(size, device).eval()
+    ref = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    tok = NoEosTokenizer(model.cfg.vocab_size)
+    reward = CompositeReward([RewardTerm("even", even_fraction)])
+    batch = collect_rollouts(model, tok, prompts_for(args), device, reward, args.G,
+                             args.max_new_tokens, 1.0, 1.0,
+                             torch.Generator(device=device).manual_seed(0))
+    shapes = {"eager": None, "compiled": update_shape(tok, args)}
+
+    def step(shape):
+        with torch.no_grad():
+            ref_logp, _ = batch_logprobs(ref, batch, with_entropy=False, fixed_shape=shape)
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        out = grpo_loss_on_batch(model, batch, None, ref_logp, "grpo", 0.2, None, args.beta,
+                                 fixed_shape=shape)
+        out["loss"].backward()
+        opt.step()
+        model.eval()
+        sync(device)
+
+    t0 = time.perf_counter()
+    step(shapes["compiled"])
+    print(f"\n== {size}: update of {batch.size} rollouts, eager and compiled in turn; "
+          f"compile + first step {time.perf_counter() - t0:.1f} s ==")
+    step(shapes["eager"])
+    totals = {name: [0.0, 0.0] for name in shapes}
+    for _ in range(args.interleave_update):
+        for name, shape in shapes.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            step(shape)
+            totals[name][0] += (time.perf_counter() - wall) / args.interleave_update
+            totals[name][1] += (time.process_time() - cpu) / args.interleave_update
+    for name, (wall, cpu) in totals.items():
+        print(f"{name:8s} {wall:6.2f} s wall | {cpu:6.2f} s CPU per update")
+    (ew, ec), (cw, cc) = totals["eager"], totals["compiled"]
+    print(f"compiled update: {ew / cw:.2f}x wall, {ec / cc:.2f}x CPU time faster than eager")
+    return totals
+
+
 def update_shape(tok, args):
     """The compiled update's one shape for this benchmark's batches: every rollout of a step,
     the longest prompt, the token budget."""
@@ -258,10 +309,15 @@ def main(argv=None):
                         "the update's blocks compiled (compiled-update) (on CPU the "
                         "peak is the process's peak RSS, so run one path per process for "
                         "separate peaks)")
+    p.add_argument("--interleave-update", type=non_negative_int, default=0, metavar="N",
+                   help="instead of whole steps: the update of one fixed batch, eager and "
+                        "compiled in turn, N times each (0: off)")
     add_threads_argument(p, None, "torch CPU threads (None: default)")
     args = p.parse_args(argv)
     set_threads(args.threads)
     device = get_device(args.device)
+    if args.interleave_update:
+        return {size: interleaved_update(size, args, device) for size in args.sizes}
     return {size: run(size, args, device) for size in args.sizes}
 
 

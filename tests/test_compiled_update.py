@@ -7,6 +7,8 @@ one step against eager, one short training run.
 """
 
 import copy
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,3 +254,16 @@ def test_reference_logprobs_run_without_grad_and_in_lm_head_chunks(model_tok, ev
     assert all(rows <= 4 for _, rows, _ in calls)
     assert not any(grad for who, _, grad in calls if who == "ref")
     assert int(batch.completion_mask.sum()) > 4  # several chunks
+
+
+@compiler
+def test_the_benchmark_times_the_compiled_update_against_eager(monkeypatch):
+    """benchmarks/bench_grpo_step.py --interleave-update on a tiny batch."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    main = runpy.run_path(str(root / "benchmarks" / "bench_grpo_step.py"),
+                          run_name="bench_grpo_step")["main"]
+    out = main(["--prompts", "1", "--G", "2", "--max-new-tokens", "3", "--threads", "1",
+                "--interleave-update", "1"])
+    assert set(out["tiny"]) == {"eager", "compiled"}
+    assert all(wall > 0 and cpu > 0 for wall, cpu in out["tiny"].values())
