@@ -13,6 +13,17 @@ Not a test: numbers depend on the machine.
     python benchmarks/bench_grpo_step.py                         # tiny size on the best device
     python benchmarks/bench_grpo_step.py --sizes tiny 0.6b --steps 2
     python benchmarks/bench_grpo_step.py --paths ours compiled --prompts 8 --max-new-tokens 112
+    python benchmarks/bench_grpo_step.py --paths ours compiled-update --warmup 2
+
+"compiled-update" is ours with the update's decoder blocks compiled: the reference's log-prob
+pass and the update pad the batch to one shape (`grpo.FixedShape`: prompts x G rows, the
+longest prompt + the token budget) and run the blocks through `grpo.compiled_block`; its
+warm-up compiles them (with and without gradients). On a shared machine the paths, timed one
+after the other, see different loads; `--interleave-update N` instead times the reference's
+log-probs + the update on one fixed batch, eager and compiled in turn, N times each, in wall
+and CPU time:
+
+    python benchmarks/bench_grpo_step.py --prompts 8 --max-new-tokens 112 --interleave-update 4
 """
 
 import argparse
@@ -31,6 +42,7 @@ from reasoning_from_scratch.cli.arguments import (
 from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.generation import sample_response
 from reasoning_from_scratch.grpo import (
+    FixedShape,
     batch_logprobs,
     collect_rollouts,
     compute_advantage_stats,
@@ -46,6 +58,7 @@ from reasoning_from_scratch.rewards import (
     correctness_reward,
 )
 from reasoning_from_scratch.tiny_world import TINY_ARITH_ARCH
+from reasoning_from_scratch.validation import non_negative_int
 
 PROBLEMS = [{"problem": f"{a}+{b}*{c}", "answer": str(a + b * c)}
             for a, b, c in [(12, 3, 4), (7, 9, 2), (25, 4, 3), (18, 6, 5), (9, 8, 7), (30, 2, 2),
@@ -97,13 +110,15 @@ def ours_step(model, ref, opt, tok, prompts, args, device, gen, reward):
                              1.0, 1.0, gen, compile=getattr(args, "compile_rollouts", False))
     sync(device)
     t1 = time.perf_counter()
+    shape = getattr(args, "fixed_shape", None)  # the compiled update's padding, or None
     with torch.no_grad():
-        ref_logp, _ = batch_logprobs(ref, batch, with_entropy=False)
+        ref_logp, _ = batch_logprobs(ref, batch, with_entropy=False, fixed_shape=shape)
     sync(device)
     t2 = time.perf_counter()
     model.train()
     opt.zero_grad(set_to_none=True)
-    out = grpo_loss_on_batch(model, batch, None, ref_logp, "grpo", 0.2, None, args.beta)
+    out = grpo_loss_on_batch(model, batch, None, ref_logp, "grpo", 0.2, None, args.beta,
+                             fixed_shape=shape)
     out["loss"].backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -173,12 +188,13 @@ def run(size, args, device):
           f"{device} ==")
     results = {}
     for name in args.paths:
-        step_fn = {"book": book_step, "ours": ours_step, "compiled": ours_step}[name]
+        step_fn = book_step if name == "book" else ours_step
         args.compile_rollouts = name == "compiled"
         model = make_model(size, device).eval()
         ref = copy.deepcopy(model).requires_grad_(False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         tok = NoEosTokenizer(model.cfg.vocab_size)
+        args.fixed_shape = update_shape(tok, args) if name == "compiled-update" else None
         reward = TimedReward(CompositeReward([RewardTerm("correct", correctness_reward),
                                         RewardTerm("even", even_fraction)]))
         gen = torch.Generator(device=device).manual_seed(0)
@@ -200,7 +216,8 @@ def run(size, args, device):
               f"scoring {totals['scoring']:5.2f} | logprob {totals['logprob']:6.2f} | update "
               f"{totals['update']:6.2f} | {totals['tokens'] / totals['step']:8.1f} tok/s | "
               f"peak {totals['peak_mb']:.0f} MB | warm-up {warm_s:.1f} s"
-              + (" (compiles the decode step)" if name == "compiled" else ""))
+              + {"compiled": " (compiles the decode step)",
+                 "compiled-update": " (compiles the update's blocks)"}.get(name, ""))
         del model, ref, opt
     if "book" in results and "ours" in results:
         speedup = results["book"]["step"] / results["ours"]["step"]
@@ -209,7 +226,64 @@ def run(size, args, device):
         ours, fast = results["ours"], results["compiled"]
         print(f"compiled rollouts: step {ours['step'] / fast['step']:.2f}x, rollouts "
               f"{ours['rollout'] / fast['rollout']:.2f}x faster than eager (after the warm-up)")
+    if "ours" in results and "compiled-update" in results:
+        ours, fast = results["ours"], results["compiled-update"]
+        print(f"compiled update: reference log-probs {ours['logprob'] / fast['logprob']:.2f}x, "
+              f"update {ours['update'] / fast['update']:.2f}x, step "
+              f"{ours['step'] / fast['step']:.2f}x faster than eager (after the warm-up)")
     return results
+
+
+def interleaved_update(size, args, device):
+    """Reference log-probs + update of one fixed batch, eager and compiled alternately
+    (`args.interleave_update` times each, after one untimed step of each: the compile);
+    returns {path: (wall seconds, CPU seconds)} per step."""
+    model = make_model(size, device).eval()
+    ref = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    tok = NoEosTokenizer(model.cfg.vocab_size)
+    reward = CompositeReward([RewardTerm("even", even_fraction)])
+    batch = collect_rollouts(model, tok, prompts_for(args), device, reward, args.G,
+                             args.max_new_tokens, 1.0, 1.0,
+                             torch.Generator(device=device).manual_seed(0))
+    shapes = {"eager": None, "compiled": update_shape(tok, args)}
+
+    def step(shape):
+        with torch.no_grad():
+            ref_logp, _ = batch_logprobs(ref, batch, with_entropy=False, fixed_shape=shape)
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        out = grpo_loss_on_batch(model, batch, None, ref_logp, "grpo", 0.2, None, args.beta,
+                                 fixed_shape=shape)
+        out["loss"].backward()
+        opt.step()
+        model.eval()
+        sync(device)
+
+    t0 = time.perf_counter()
+    step(shapes["compiled"])
+    print(f"\n== {size}: update of {batch.size} rollouts, eager and compiled in turn; "
+          f"compile + first step {time.perf_counter() - t0:.1f} s ==")
+    step(shapes["eager"])
+    totals = {name: [0.0, 0.0] for name in shapes}
+    for _ in range(args.interleave_update):
+        for name, shape in shapes.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            step(shape)
+            totals[name][0] += (time.perf_counter() - wall) / args.interleave_update
+            totals[name][1] += (time.process_time() - cpu) / args.interleave_update
+    for name, (wall, cpu) in totals.items():
+        print(f"{name:8s} {wall:6.2f} s wall | {cpu:6.2f} s CPU per update")
+    (ew, ec), (cw, cc) = totals["eager"], totals["compiled"]
+    print(f"compiled update: {ew / cw:.2f}x wall, {ec / cc:.2f}x CPU time faster than eager")
+    return totals
+
+
+def update_shape(tok, args):
+    """The compiled update's one shape for this benchmark's batches: every rollout of a step,
+    the longest prompt, the token budget."""
+    longest = max(len(tok.encode(render_prompt(ex["problem"]))) for ex in prompts_for(args))
+    return FixedShape(args.prompts * args.G, longest, args.max_new_tokens)
 
 
 def prompts_for(args):
@@ -229,15 +303,21 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3, help="timed steps per path")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per path")
     p.add_argument("--paths", nargs="+", default=["book", "ours", "compiled"],
-                   choices=["book", "ours", "compiled"],
+                   choices=["book", "ours", "compiled", "compiled-update"],
                    help="implementations to time: the book's, ours, ours with compiled rollouts "
-                        "(`collect_rollouts(compile=True)`; the warm-up compiles) (on CPU the "
+                        "(`collect_rollouts(compile=True)`; the warm-up compiles), ours with "
+                        "the update's blocks compiled (compiled-update) (on CPU the "
                         "peak is the process's peak RSS, so run one path per process for "
                         "separate peaks)")
+    p.add_argument("--interleave-update", type=non_negative_int, default=0, metavar="N",
+                   help="instead of whole steps: the update of one fixed batch, eager and "
+                        "compiled in turn, N times each (0: off)")
     add_threads_argument(p, None, "torch CPU threads (None: default)")
     args = p.parse_args(argv)
     set_threads(args.threads)
     device = get_device(args.device)
+    if args.interleave_update:
+        return {size: interleaved_update(size, args, device) for size in args.sizes}
     return {size: run(size, args, device) for size in args.sizes}
 
 

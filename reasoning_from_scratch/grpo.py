@@ -28,6 +28,8 @@ V vocabulary, H hidden size.
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -175,9 +177,93 @@ def _logprob_entropy_chunk(head, h, targets, with_entropy, temperature=1.0):
     return logp, -(logprobs.exp() * logprobs).sum(dim=-1)
 
 
+# ----------------------------------------------------------------------------------------------
+# The compiled training block: micro-batches padded to one shape
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FixedShape:
+    """The shape every micro-batch of the log-prob pass is padded to, so that the decoder blocks
+    see one shape all run long (`torch.compile(dynamic=False)` then compiles each setting once):
+    `rows` rollouts, `prompt_cols` prompt columns (more left padding) and `completion_cols`
+    completion columns (more right padding). A batch larger than the shape (never in a GRPO run,
+    whose shape is its largest micro-batch, longest training prompt and token budget) is padded
+    to its own size instead. compile: run the blocks through `compiled_block`; False pads only
+    (what the equivalence tests compare with)."""
+
+    rows: int
+    prompt_cols: int
+    completion_cols: int
+    compile: bool = True
+
+
+def pad_to_shape(input_ids, attention_mask, prompt_len, shape: FixedShape, pad_id=0):
+    """A packed batch (B, L) (prompts left-padded to `prompt_len`, then completions) padded to
+    `shape`: (ids (R, P' + T'), attention mask (R, P' + T') long, left offset). Real tokens keep
+    their rotary positions (positions count real tokens only) and see the same keys (padding is
+    masked; causal attention hides the right padding), so their hidden states are the unpadded
+    ones up to float rounding. Rows B.. are all padding; their outputs are never read."""
+    B, L = input_ids.shape
+    rows = max(shape.rows, B)
+    prompt_cols = max(shape.prompt_cols, prompt_len)
+    cols = prompt_cols + max(shape.completion_cols, L - prompt_len)
+    left = prompt_cols - prompt_len
+    ids = input_ids.new_full((rows, cols), pad_id)
+    ids[:B, left:left + L] = input_ids
+    mask = torch.zeros(rows, cols, dtype=torch.long, device=input_ids.device)
+    mask[:B, left:] = 1  # right padding counts as real, as in `pack_rollouts` (causal: unseen)
+    if attention_mask is not None:
+        mask[:B, left:left + L] = attention_mask.long()
+    return ids, mask, left
+
+
+def _run_block(block, x, cos, sin, attn_mask):
+    """One decoder block, the function `compiled_block` compiles."""
+    return block(x, cos, sin, attn_mask)
+
+
+# torch.compile of `_run_block`, made on first use (building it imports the compiler). The
+# blocks' parameters are graph inputs, so one graph serves every block of every model of one
+# architecture; grad mode, train/eval mode and autocast each add one.
+_COMPILED_BLOCK: dict = {}
+# model -> why compiling its training block failed; its later passes run eagerly.
+_BLOCK_COMPILE_FAILURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+BLOCK_RECOMPILE_LIMIT = 16  # graphs kept for the block (torch's default limit is 8)
+
+
+def compiled_block(model) -> Callable:
+    """`forward_hidden`'s block_fn for the training path: each decoder block through
+    `torch.compile(fullgraph=True, dynamic=False)`, or eagerly, with one warning per model, if
+    compiling fails (with fullgraph a failure is raised while tracing the forward, before the
+    block ran). Without any padding `forward_hidden` passes no mask; the causal one is built
+    here, so that such a batch uses the same graph as the padded ones."""
+
+    def run(block, x, cos, sin, attn_mask):
+        if attn_mask is None:
+            B, T = x.shape[:2]
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            attn_mask = causal.expand(B, T, T).contiguous()[:, None]  # (B, 1, T, T)
+        if model not in _BLOCK_COMPILE_FAILURES:
+            try:
+                if "block" not in _COMPILED_BLOCK:
+                    _COMPILED_BLOCK["block"] = torch.compile(_run_block, fullgraph=True,
+                                                             dynamic=False)
+                limit = max(torch._dynamo.config.recompile_limit, BLOCK_RECOMPILE_LIMIT)
+                with torch._dynamo.config.patch(recompile_limit=limit):
+                    return _COMPILED_BLOCK["block"](block, x, cos, sin, attn_mask)
+            except Exception as e:  # compiler missing, unsupported op, recompile limit hit
+                why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                _BLOCK_COMPILE_FAILURES[model] = why
+                warnings.warn(f"torch.compile of the training block failed ({why}); running "
+                              "it eagerly", RuntimeWarning, stacklevel=2)
+        return block(x, cos, sin, attn_mask)
+
+    return run
+
+
 def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len=None,
                                completion_mask=None, chunk_size=1024, with_entropy=True,
-                               temperature=1.0):
+                               temperature=1.0, fixed_shape: FixedShape | None = None):
     """Per-token answer log-probs and entropies (B, Tc), float32, 0 where not `completion_mask`.
 
     input_ids (B, L) = (left-padded) prompts followed by completions that all start at column
@@ -191,6 +277,9 @@ def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len
     sampler at that temperature draws from (before top-p), as TRL's GRPOTrainer computes them;
     1.0 (default) is the model's own distribution. With no answer token at all (an all-False
     mask) the zeros returned stay connected to the graph, so a loss built on them can backward.
+    fixed_shape: pad the batch to this shape for the model's forward pass (`pad_to_shape`), and
+    with its `compile` run the decoder blocks compiled (`compiled_block`); the log-probs are
+    those of the unpadded batch (the lm_head and the loss see only its answer positions).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -208,7 +297,13 @@ def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len
             f"completion_mask shape {tuple(completion_mask.shape)} != "
             f"(B, L - prompt_len) = {(B, Tc)}"
         )
-    if hasattr(model, "forward_hidden"):
+    if hasattr(model, "forward_hidden") and fixed_shape is not None:
+        ids, padded_mask, left = pad_to_shape(input_ids, attention_mask, prompt_len, fixed_shape)
+        block_fn = compiled_block(model) if fixed_shape.compile else None
+        hidden = model.forward_hidden(ids, padded_mask, block_fn=block_fn)  # (R, L', H)
+        hidden = hidden[:B, left:left + L]  # (B, L, H): the batch's own positions
+        head = model.lm_head
+    elif hasattr(model, "forward_hidden"):
         hidden = model.forward_hidden(input_ids, attention_mask)  # (B, L, H)
         head = model.lm_head
     else:
@@ -750,18 +845,19 @@ def concat_rollout_batches(batches: list[RolloutBatch], pad_id=0) -> RolloutBatc
 
 
 def batch_logprobs(model, batch: RolloutBatch, chunk_size=1024, with_entropy=True,
-                   temperature=1.0):
-    """Per-token (log-probs, entropies) (B, Tc) of a packed batch under `model` at `temperature`."""
+                   temperature=1.0, fixed_shape: FixedShape | None = None):
+    """Per-token (log-probs, entropies) (B, Tc) of a packed batch under `model` at `temperature`
+    (`fixed_shape`: see `token_logprobs_and_entropy`)."""
     return token_logprobs_and_entropy(model, batch.input_ids, batch.attention_mask,
                                       batch.prompt_len, batch.completion_mask, chunk_size,
-                                      with_entropy, temperature)
+                                      with_entropy, temperature, fixed_shape)
 
 
 def grpo_loss_on_batch(model, batch: RolloutBatch, old_logp=None, ref_logp=None, loss_type="grpo",
                        epsilon=0.2, epsilon_high=None, beta=0.0, entropy_coef=0.0,
                        max_completion_length=None, chunk_size=1024, temperature=1.0,
                        sampler_logp=None, tis_cap=None, off_policy_mask_threshold=None,
-                       kl_estimator="k3"):
+                       kl_estimator="k3", fixed_shape: FixedShape | None = None):
     """Loss dict of `clipped_policy_loss` for a packed batch (log-probs with grad).
 
     old_logp None means "the policy that sampled the batch is the current one": the old log-probs
@@ -769,9 +865,10 @@ def grpo_loss_on_batch(model, batch: RolloutBatch, old_logp=None, ref_logp=None,
     gets a single update; pass precomputed old log-probs for PPO-style inner epochs.
     temperature: log-probs of softmax(logits / T) (see `token_logprobs_and_entropy`); old_logp,
     ref_logp and sampler_logp (B, Tc) should be taken at the same T.
-    sampler_logp/tis_cap/off_policy_mask_threshold: see `clipped_policy_loss`.
+    sampler_logp/tis_cap/off_policy_mask_threshold: see `clipped_policy_loss`. fixed_shape: the
+    padded (and compiled) forward pass of `token_logprobs_and_entropy`.
     """
-    logp, entropy = batch_logprobs(model, batch, chunk_size, True, temperature)
+    logp, entropy = batch_logprobs(model, batch, chunk_size, True, temperature, fixed_shape)
     if not entropy_coef:
         entropy = entropy.detach()
     old = logp.detach() if old_logp is None else old_logp
@@ -849,4 +946,5 @@ __all__: Sequence[str] = [
     "sequence_logprob", "sequence_logprob_and_entropy", "token_logprobs_and_entropy", "k3_kl",
     "clipped_surrogate", "aggregate_loss", "clipped_policy_loss", "RolloutBatch", "pack_rollouts",
     "collect_rollouts", "batch_logprobs", "grpo_loss_on_batch", "compute_grpo_loss",
+    "FixedShape", "pad_to_shape", "compiled_block",
 ]

@@ -33,7 +33,7 @@ the book's ``.pth`` names (``tok_emb``, ``trf_blocks.N.att.W_query``, ``final_no
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -810,10 +810,17 @@ class Qwen3Model(nn.Module):
         input_ids: torch.Tensor,  # (B, T) new tokens
         attention_mask: torch.Tensor | None = None,  # (B, T) 1 real, 0 left padding
         cache: KVCache | None = None,
+        block_fn: Callable | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states (B, T, C), i.e. the lm_head input."""
+        """Final-normed hidden states (B, T, C), i.e. the lm_head input.
+
+        block_fn(block, x, cos, sin, attn_mask) -> x, if given, runs each decoder block instead
+        of calling it (no cache): the training path's compiled block (`grpo.compiled_block`).
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        if block_fn is not None and cache is not None:
+            raise ValueError("forward_hidden: block_fn runs the blocks without a cache")
         B, T = input_ids.shape
         dev = input_ids.device
         past = 0 if cache is None else cache.seq_len
@@ -860,7 +867,10 @@ class Qwen3Model(nn.Module):
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, attn_mask, cache, i)
+            if block_fn is None:
+                x = layer(x, cos, sin, attn_mask, cache, i)
+            else:
+                x = block_fn(layer, x, cos, sin, attn_mask)
         if cache is not None:
             cache.key_mask = key_mask
             cache.next_pos = past_pos + m.sum(dim=-1)

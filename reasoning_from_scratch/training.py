@@ -37,6 +37,7 @@ checkpoints hold the shards (torch.distributed.checkpoint) beside the weights in
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
@@ -80,6 +81,7 @@ from .evaluation import EVAL_FIGURES, evaluate_policy
 from .files import atomic_write_json
 from .fsdp import (
     dummy_backward,
+    empty_replica,
     full_tensor,
     is_sharded,
     local_tensor,
@@ -95,6 +97,7 @@ from .grpo import (
     REWARD_NORMALIZATIONS,
     SCALE_REWARDS,
     SEQUENCE_LOSS_TYPES,
+    FixedShape,
     RolloutBatch,
     batch_logprobs,
     collect_rollouts,
@@ -183,6 +186,8 @@ MAX_BAD_STEPS = 3
 
 SUPERVISIONS = ("outcome", "process")
 STEP_SPLITS = ("tags", "newlines", "blank_lines")
+SAMPLER_DTYPES = ("auto", "float32", "bfloat16")
+AUTOCASTS = ("auto", "off", "bfloat16")
 
 
 @dataclass
@@ -315,6 +320,21 @@ class GRPOConfig:
         "decode rollouts, evaluations and Monte-Carlo step values with one static, compiled "
         "step (torch.compile; the same tokens; each shape compiles once, seconds on a CPU). "
         "Default: on for CUDA, off elsewhere (no gain on the CPU, docs/speed.md)")
+    compile_update: bool | None = option(None,
+        "run the update's decoder blocks compiled (torch.compile), every micro-batch padded to "
+        "one shape (micro-batch size x longest training prompt + max-new-tokens, the padding "
+        "left out of the loss), so the training step compiles once; the same loss and "
+        "gradients up to float rounding. Default: as compile; never with fsdp")
+    sampler_dtype: str = option("auto",
+        "dtype of the weights that sample rollouts and evaluations: a copy of the policy in "
+        "that dtype, refreshed after every update (also the fsdp replica's dtype). auto: "
+        "bfloat16 on CUDA, the model's own elsewhere",
+        choices=SAMPLER_DTYPES)
+    autocast: str = option("auto",
+        "the update's forward passes under torch.autocast in this dtype (weights, gradients "
+        "and AdamW state stay in the model's dtype). auto: bfloat16 on CUDA without fsdp "
+        "(whose own mixed precision computes in bfloat16), off elsewhere",
+        choices=AUTOCASTS)
     # evaluation, logging, checkpoints
     eval_every: int = option(25,
         "evaluate on the held-out set every N steps (0: only before and after)",
@@ -357,6 +377,9 @@ class GRPOConfig:
 
     def __post_init__(self):
         check_fields(self)
+        if self.fsdp and self.compile_update:
+            raise ValueError("compile_update does not work with fsdp (its sharded blocks "
+                             "gather their weights in hooks the compiled block cannot run)")
         self.report_to = report_targets(self.report_to)  # "none", names or a list -> a tuple
 
     @property
@@ -474,11 +497,85 @@ def plot_columns(config) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Precision and compiling of the sampler and the update
+# ----------------------------------------------------------------------------------------------
+
+def sampler_dtype(config, device) -> torch.dtype | None:
+    """The dtype rollouts and evaluations sample in (`config.sampler_dtype`); None: the model's
+    own. auto is bfloat16 on CUDA: decoding there reads the weights and the KV cache every
+    token, half the bytes in bfloat16; on the CPU float32 keeps the tokens exact."""
+    if config.sampler_dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else None
+    return getattr(torch, config.sampler_dtype)
+
+
+def sampling_replica(model, device, dtype: torch.dtype | None):
+    """A frozen copy of `model` in `dtype` to sample from (`fsdp.empty_replica`, filled by
+    `fsdp.refresh_replica` and refreshed after every update), or None when `dtype` is the
+    model's own (None included): the model then samples itself."""
+    if dtype is None or dtype == next(model.parameters()).dtype:
+        return None
+    replica = empty_replica(model.cfg, device, dtype)
+    refresh_replica(replica, model)
+    return replica
+
+
+def autocast_dtype(config, device) -> torch.dtype | None:
+    """The dtype of the update's forward passes under torch.autocast (`config.autocast`), or
+    None for none. auto is bfloat16 on CUDA without fsdp (FSDP's mixed-precision policy already
+    computes in bfloat16 there) and off elsewhere: a CPU gains nothing from bfloat16 matmuls."""
+    if config.autocast == "auto":
+        on = torch.device(device).type == "cuda" and not config.fsdp
+        return torch.bfloat16 if on else None
+    return None if config.autocast == "off" else getattr(torch, config.autocast)
+
+
+def update_autocast(config, device):
+    """The context of the update's forward passes: torch.autocast at `autocast_dtype`, else none.
+    The loss arithmetic stays float32 (the log-probs are taken from float32 logits)."""
+    dtype = autocast_dtype(config, device)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def compiles_update(config, device) -> bool:
+    """Whether the update runs its decoder blocks compiled: `compile_update`, by default as
+    `compile` (`generation.compile_decoding`); never with fsdp."""
+    if config.fsdp:
+        return False
+    if config.compile_update is None:
+        return compile_decoding(config.compile, device)
+    return bool(config.compile_update)
+
+
+def prompt_lengths(tokenizer, examples, prompt_fn) -> list[int]:
+    """Tokens of each example's rendered prompt."""
+    return [len(tokenizer.encode(prompt_fn(ex["problem"]))) for ex in examples]
+
+
+def update_shape(config, tokenizer, train_examples, prompt_fn) -> FixedShape:
+    """The one shape the compiled update pads every micro-batch to: rows = the micro-batch size
+    (at most this process's rollouts of a step), columns = the longest training prompt + the
+    token budget, so every step of a run, whatever its prompts' and completions' lengths, uses
+    the graphs its first step made."""
+    start, stop = shard_range(config.prompts_per_step)
+    rows = (stop - start) * config.num_rollouts  # this process's rollouts of one step
+    if config.micro_batch_size:
+        rows = min(rows, config.micro_batch_size)
+    return FixedShape(rows, max(prompt_lengths(tokenizer, train_examples, prompt_fn)),
+                      config.max_new_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
 # The update
 # ----------------------------------------------------------------------------------------------
 
-def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None):
+def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None, fixed_shape=None):
     """One optimizer step on a batch (micro-batched); returns loss stats.
+
+    The forward passes run under `update_autocast`; fixed_shape pads each micro-batch to one
+    shape for the compiled decoder blocks (`grpo.FixedShape`; None: eager, unpadded).
 
     Data-parallel runs: `batch` is this process's share and `totals` (`global_totals`) the whole
     step's counts; every micro-batch's loss is scaled by its share of the *whole* batch
@@ -509,17 +606,19 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None):
         w_stat = mb.size / rows if per_sequence else \
             float(mb.completion_mask.sum()) / max(1.0, tokens)
         sl = slice(start, start + mbs)
-        out = grpo_loss_on_batch(
-            model, mb,
-            old_logp=None if old_logp is None else old_logp[sl],
-            ref_logp=None if ref_logp is None else ref_logp[sl],
-            loss_type=config.loss_type, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
-            beta=config.beta, entropy_coef=config.entropy_coef,
-            max_completion_length=config.max_new_tokens, chunk_size=config.chunk_size,
-            temperature=config.temperature, sampler_logp=mb.sampler_logp,
-            tis_cap=config.tis_cap, off_policy_mask_threshold=config.off_policy_mask_threshold,
-            kl_estimator=config.kl_estimator,
-        )
+        with update_autocast(config, mb.input_ids.device):  # the backward runs outside it
+            out = grpo_loss_on_batch(
+                model, mb,
+                old_logp=None if old_logp is None else old_logp[sl],
+                ref_logp=None if ref_logp is None else ref_logp[sl],
+                loss_type=config.loss_type, epsilon=config.epsilon,
+                epsilon_high=config.epsilon_high, beta=config.beta,
+                entropy_coef=config.entropy_coef, max_completion_length=config.max_new_tokens,
+                chunk_size=config.chunk_size, temperature=config.temperature,
+                sampler_logp=mb.sampler_logp, tis_cap=config.tis_cap,
+                off_policy_mask_threshold=config.off_policy_mask_threshold,
+                kl_estimator=config.kl_estimator, fixed_shape=fixed_shape,
+            )
         loss = out.pop("loss")
         if not torch.isfinite(loss):
             finite_ = False
@@ -727,10 +826,13 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     if resume_from is None:
         run_on_main(prepare_new_run_dir, out, overwrite)
     hook = phase_hook or (lambda phase, step: None)
-    replica = None
+    replica = sampler = None
     if config.fsdp:  # shard before the optimizer exists: AdamW then holds shards only
-        model, replica = shard_with_replica(model, device)
-    policy = model if replica is None else replica  # what samples and evaluates
+        model, replica = shard_with_replica(model, device, sampler_dtype(config, device))
+    else:  # a copy in the sampling dtype (bfloat16 on CUDA), or None: the model samples
+        sampler = sampling_replica(model, device, sampler_dtype(config, device))
+    trained = model if replica is None else replica  # the policy's weights, whole
+    policy = trained if sampler is None else sampler  # what samples and evaluates
     if config.supervision == "process" and advantage_fn is None:
         advantage_fn = _process_advantage_fn(policy, tokenizer, device, config)
     t_start = time.time()
@@ -754,10 +856,14 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
         run.base = state.get("base") or base_evaluation
         run.last_eval = state.get("last_eval") or run.base
         run.saved = (None, run.completed, run.eval_pending)
-        if replica is not None:
-            refresh_replica(replica, model)
+        for copy_ in (replica, sampler):
+            if copy_ is not None:
+                refresh_replica(copy_, model)
     run.open_logs(columns, resumed=resume_from is not None)
-    ref_model = _reference_model(policy, tokenizer, out, config, resumed=resume_from is not None)
+    ref_model = _reference_model(trained, tokenizer, out, config,
+                                 resumed=resume_from is not None)
+    fixed_shape = update_shape(config, tokenizer, train_examples, prompt_fn) \
+        if compiles_update(config, device) else None
 
     def evaluate_now():
         return evaluate_policy(policy, tokenizer, eval_set, device, config.eval_tokens,
@@ -793,7 +899,8 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                 with defer_interrupts():  # the update, its row and its samples: all or nothing
                     # Stages 4-5: log-probs and the update (grpo.grpo_loss_on_batch)
                     row = _apply_update(model, optimizer, batch, config, ref_model,
-                                        reward_names, step, cost, hook, replica)
+                                        reward_names, step, cost, hook,
+                                        replica if sampler is None else sampler, fixed_shape)
                     # Stage 6: log
                     _log_step(run, row, batch.samples)
                 _show_step(bar, run, row)
@@ -862,14 +969,13 @@ def _warm_up_decoding(model, tokenizer, train_examples, eval_set, config, prompt
     model.eval()
     stops = stop_token_ids(tokenizer)
     start, stop = shard_range(config.prompts_per_step)
-    lengths = {len(tokenizer.encode(prompt_fn(ex["problem"]))) for ex in train_examples}
+    lengths = set(prompt_lengths(tokenizer, train_examples, prompt_fn))
     warm_up_decoding(model, [((stop - start) * config.num_rollouts, n) for n in lengths],
                      config.max_new_tokens, config.temperature, config.top_p,
                      eos_token_id=stops, return_logprobs=config.tis_cap is not None
                      or config.off_policy_mask_threshold is not None)
     mine = shard(eval_set)
-    lengths = sorted((len(tokenizer.encode(prompt_fn(ex["problem"]))) for ex in mine),
-                     reverse=True)
+    lengths = sorted(prompt_lengths(tokenizer, mine, prompt_fn), reverse=True)
     batches = [lengths[i:i + config.eval_batch_size]
                for i in range(0, len(lengths), config.eval_batch_size)]
     warm_up_decoding(model, [(len(b), b[0]) for b in batches], config.eval_tokens,
@@ -1091,10 +1197,13 @@ def extra_prompts(examples, step, round_, config):
 
 
 def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step, cost, hook,
-                  replica=None):
-    """`inner_epochs` updates on a step's batch; returns the step's metrics row. FSDP runs
-    (`replica`: the unsharded copy that sampled) take the no-grad log-probs from the replica
-    and refresh it after the update."""
+                  replica=None, fixed_shape=None):
+    """`inner_epochs` updates on a step's batch; returns the step's metrics row. `replica`, the
+    copy that sampled (FSDP's unsharded one, or `sampling_replica`'s), is refreshed after the
+    update; FSDP runs also take the no-grad log-probs from it (a sharded forward pass is a
+    collective), the others from the model being trained (pi_old is the trainer's policy; a
+    bfloat16 sampler's own log-probs are what `tis_cap` compares with). fixed_shape: the
+    compiled update's padding (`update_shape`)."""
     hook("update", step + 1)
     t1 = time.time()
     lr = lr_at_step(step, config)
@@ -1107,13 +1216,14 @@ def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step
         with torch.no_grad():
             ref_logp = old_logp = None
             if ref_model is not None:
-                ref_logp = _logprobs_no_grad(ref_model, batch, config)
+                ref_logp = _logprobs_no_grad(ref_model, batch, config, fixed_shape)
             if config.inner_epochs > 1:  # the sampling policy's log-probs, computed once
-                old_logp = _logprobs_no_grad(model if replica is None else replica, batch,
-                                             config)
+                old_logp = _logprobs_no_grad(replica if is_sharded(model) else model, batch,
+                                             config, fixed_shape)
         # Stage 5: the update(s): loss, backward, clip, AdamW step
         model.train()
-        epochs = [_update(model, optimizer, batch, old_logp, ref_logp, config, totals)
+        epochs = [_update(model, optimizer, batch, old_logp, ref_logp, config, totals,
+                          fixed_shape)
                   for _ in range(config.inner_epochs)]
         model.eval()
         if replica is not None:
@@ -1170,15 +1280,17 @@ def _scorer_tokens(advantage_fn, keys=DECODE_COST_KEYS):
     return int(sum(cost.get(k, 0) for k in keys))
 
 
-def _logprobs_no_grad(model, batch, config):
-    """Per-token log-probs (B, Tc) of a whole batch, micro-batched, without gradients."""
+def _logprobs_no_grad(model, batch, config, fixed_shape=None):
+    """Per-token log-probs (B, Tc) of a whole batch, micro-batched, without gradients (the
+    caller's no_grad), under the update's autocast and padding (`fixed_shape`)."""
     if not batch.size:  # this process's share kept no group (data-parallel runs)
         return torch.zeros(batch.completion_mask.shape, device=batch.input_ids.device)
     mbs = config.micro_batch_size or batch.size
     # at the sampling temperature: the distribution the rollouts were drawn from (as TRL does)
-    parts = [batch_logprobs(model, batch.slice(s, s + mbs), config.chunk_size, False,
-                            config.temperature)[0]
-             for s in range(0, batch.size, mbs)]
+    with update_autocast(config, batch.input_ids.device):
+        parts = [batch_logprobs(model, batch.slice(s, s + mbs), config.chunk_size, False,
+                                config.temperature, fixed_shape)[0]
+                 for s in range(0, batch.size, mbs)]
     return torch.cat(parts)
 
 

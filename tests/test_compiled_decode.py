@@ -140,7 +140,8 @@ def test_a_compiled_training_run_makes_no_graph_after_its_warm_up(tiny_dir, tmp_
     held_out = [{"problem": "3+4", "answer": "7"}, {"problem": "5+6", "answer": "11"}]
     config = GRPOConfig(steps=4, prompts_per_step=2, num_rollouts=2, max_new_tokens=6,
                         eval_every=2, eval_examples=2, eval_batch_size=1, sample_every=0,
-                        seed=1, output_dir=str(tmp_path / "run"), progress=False, compile=True)
+                        seed=1, output_dir=str(tmp_path / "run"), progress=False, compile=True,
+                        compile_update=False)  # the update's graphs: test_compiled_update.py
     graphs = {}
 
     def hook(phase, step):

@@ -1,0 +1,269 @@
+"""The update's fast path: micro-batches padded to one shape and decoder blocks compiled
+(`grpo.FixedShape`, `grpo.compiled_block`), the bfloat16 sampling replica (`sampler_dtype`)
+and bfloat16 autocast of the update (`autocast`), all on the CPU.
+
+Each CPU compile costs seconds (a minute on a busy machine), so the compiled tests are few:
+one step against eager, one short training run.
+"""
+
+import copy
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from reasoning_from_scratch import grpo, training
+from reasoning_from_scratch.grpo import FixedShape, collect_rollouts, grpo_loss_on_batch
+from reasoning_from_scratch.training import (
+    GRPOConfig,
+    autocast_dtype,
+    compiles_update,
+    sampler_dtype,
+    sampling_replica,
+    train_grpo,
+)
+from reasoning_from_scratch.weights import load_pretrained
+
+TRAIN = [{"problem": p, "answer": "0"}
+         for p in ("2+3", "14+27*3", "4+5", "6+7+8+9+10", "(1+2)*(3+4)", "9")]
+HELD_OUT = [{"problem": "3+4", "answer": "7"}]
+
+compiler = pytest.mark.skipif(
+    not (callable(getattr(torch, "compile", None)) and torch._dynamo.is_dynamo_supported()),
+    reason="torch.compile is not supported on this Python/platform")
+
+
+@pytest.fixture(scope="module")
+def model_tok(tiny_dir):
+    return load_pretrained(tiny_dir, device="cpu")
+
+
+def _batch(model, tok, reward, examples, seed, max_new_tokens=8):
+    return collect_rollouts(model, tok, examples, "cpu", reward, num_rollouts=3,
+                            max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0,
+                            generator=torch.Generator().manual_seed(seed))
+
+
+def _loss_and_grads(model, batch, fixed_shape=None):
+    """The clipped GRPO loss with a reference model's KL (old log-probs off by a fixed
+    perturbation, so some ratios clip) and its gradients."""
+    model.zero_grad(set_to_none=True)
+    g = torch.Generator().manual_seed(7)
+    old = 0.3 * torch.randn(batch.completion_mask.shape, generator=g)
+    with torch.no_grad():
+        ref, _ = grpo.batch_logprobs(model, batch, with_entropy=False, fixed_shape=fixed_shape)
+    out = grpo_loss_on_batch(model, batch, old_logp=ref + old, ref_logp=ref, beta=0.1,
+                             chunk_size=5, fixed_shape=fixed_shape)
+    out["loss"].backward()
+    return out["loss"].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_close(a, b, atol=1e-5):
+    torch.testing.assert_close(a[0], b[0], atol=atol, rtol=0)
+    for name in a[1]:
+        torch.testing.assert_close(a[1][name], b[1][name], atol=atol, rtol=0, msg=name)
+
+
+def test_padding_to_a_fixed_shape_leaves_loss_and_gradients_unchanged(model_tok, even_reward):
+    model, tok = model_tok
+    batch = _batch(model, tok, even_reward, TRAIN[:2], seed=0)
+    shape = FixedShape(rows=8, prompt_cols=batch.prompt_len + 5,
+                       completion_cols=batch.completion_mask.shape[1] + 4, compile=False)
+    assert batch.size < 8  # empty rows, left and right padding: all three kinds
+    _assert_close(_loss_and_grads(model, batch, shape), _loss_and_grads(model, batch))
+    ids, mask, left = grpo.pad_to_shape(batch.input_ids, batch.attention_mask,
+                                        batch.prompt_len, shape)
+    L = batch.input_ids.shape[1]
+    assert ids.shape == mask.shape == (8, shape.prompt_cols + shape.completion_cols)
+    assert left == 5 and torch.equal(ids[:batch.size, left:left + L], batch.input_ids)
+    assert not mask[batch.size:].any() and not mask[:, :left].any()
+
+
+@compiler
+def test_the_compiled_step_equals_eager_with_one_graph_for_every_batch(model_tok, even_reward):
+    """Loss and gradients within 1e-5 of eager; no graph break; a batch of other lengths and
+    fewer rows reuses the graphs (an error on recompiling)."""
+    model, tok = model_tok
+    model.train()
+    counters.clear()
+    batch = _batch(model, tok, even_reward, TRAIN[:2], seed=0)
+    other = _batch(model, tok, even_reward, TRAIN[3:4], seed=1, max_new_tokens=5)
+    assert (other.prompt_len, other.size) != (batch.prompt_len, batch.size)
+    shape = FixedShape(rows=6, prompt_cols=max(batch.prompt_len, other.prompt_len),
+                       completion_cols=8)
+    _assert_close(_loss_and_grads(model, batch, shape), _loss_and_grads(model, batch))
+    assert model not in grpo._BLOCK_COMPILE_FAILURES, grpo._BLOCK_COMPILE_FAILURES.get(model)
+    assert not counters["graph_break"]
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2  # one with gradients (every block of the model), one without
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _assert_close(_loss_and_grads(model, other, shape), _loss_and_grads(model, other))
+    # a recompile would have raised inside the compiled block and been run eagerly
+    assert model not in grpo._BLOCK_COMPILE_FAILURES, grpo._BLOCK_COMPILE_FAILURES.get(model)
+    assert counters["stats"]["unique_graphs"] == graphs
+    model.eval()
+
+
+@compiler
+def test_a_compiled_update_run_makes_no_graph_after_its_third_step(tiny_dir, tmp_path,
+                                                                     even_reward):
+    """Prompts and completions of varying lengths, micro-batches of 4 and a remainder, the
+    reference model's log-probs: every graph of the update is made by the first steps."""
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    config = GRPOConfig(steps=6, prompts_per_step=2, num_rollouts=3, max_new_tokens=8,
+                        micro_batch_size=4, beta=0.05, skip_zero_advantage=False,
+                        eval_every=0, eval_examples=1, sample_every=0, seed=3,
+                        output_dir=str(tmp_path / "run"), progress=False, compile=False,
+                        compile_update=True)
+    assert training.update_shape(config, tok, TRAIN, grpo.render_prompt).rows == 4
+    counters.clear()
+    graphs, prompt_lens = {}, set()
+    spy = _spy_rollouts(lambda model, batch: prompt_lens.add(batch.prompt_len))
+
+    def hook(phase, step):
+        if phase == "rollouts":
+            graphs[step] = counters["stats"]["unique_graphs"]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(training, "collect_rollouts", spy)
+        train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", config, reward_fn=even_reward,
+                   phase_hook=hook)
+    assert not dict(grpo._BLOCK_COMPILE_FAILURES)  # the policy's and the reference's blocks
+    assert len(prompt_lens) > 1  # the steps' batches had different shapes
+    assert graphs[2] > 0 and not counters["graph_break"]
+    assert graphs[4] == graphs[5] == graphs[6] == counters["stats"]["unique_graphs"], graphs
+
+
+def _spy_rollouts(check):
+    """`collect_rollouts` that first calls check(model it samples from, its batch)."""
+    def spy(model, *args, **kwargs):
+        batch = collect_rollouts(model, *args, **kwargs)
+        check(model, batch)
+        return batch
+    return spy
+
+
+def test_rollouts_sample_from_a_bfloat16_replica_refreshed_after_each_update(
+        tiny_dir, tmp_path, even_reward, monkeypatch):
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    seen = []
+
+    def check(sampler, batch):
+        assert sampler is not model and sampler.dtype == torch.bfloat16
+        weights = dict(model.named_parameters())
+        for name, p in sampler.named_parameters():  # the trained weights, cast
+            assert torch.equal(p, weights[name].detach().to(torch.bfloat16)), name
+        seen.append((id(sampler), {n: p.detach().clone() for n, p in model.named_parameters()}))
+
+    monkeypatch.setattr(training, "collect_rollouts", _spy_rollouts(check))
+    config = GRPOConfig(steps=3, prompts_per_step=2, num_rollouts=3, max_new_tokens=6,
+                        skip_zero_advantage=False, eval_every=0, eval_examples=1,
+                        sample_every=0, seed=1, output_dir=str(tmp_path / "run"),
+                        progress=False, sampler_dtype="bfloat16", lr=1e-2)
+    train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", config, reward_fn=even_reward)
+    assert len(seen) == 3 and len({s for s, _ in seen}) == 1  # one replica, refreshed
+    assert next(model.parameters()).dtype == torch.float32  # the trained weights stay fp32
+    for (_, before), (_, after) in zip(seen, seen[1:]):  # updates happened between the steps
+        assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_the_cpu_default_samples_from_the_trained_model_itself(tiny_dir, tmp_path,
+                                                               even_reward, monkeypatch):
+    """sampler_dtype auto on the CPU: no copy, today's fp32 tokens."""
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    samplers = []
+    monkeypatch.setattr(training, "collect_rollouts",
+                        _spy_rollouts(lambda sampler, batch: samplers.append(sampler)))
+    config = GRPOConfig(steps=1, prompts_per_step=2, num_rollouts=2, max_new_tokens=4,
+                        eval_every=0, eval_examples=1, sample_every=0,
+                        output_dir=str(tmp_path / "run"), progress=False)
+    train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", config, reward_fn=even_reward)
+    assert samplers == [model]
+    assert sampling_replica(model, "cpu", sampler_dtype(config, "cpu")) is None
+
+
+def test_the_defaults_per_device():
+    config = GRPOConfig()
+    assert sampler_dtype(config, "cuda") == torch.bfloat16
+    assert sampler_dtype(config, "cpu") is None
+    assert sampler_dtype(GRPOConfig(sampler_dtype="float32"), "cuda") == torch.float32
+    assert autocast_dtype(config, "cuda") == torch.bfloat16
+    assert autocast_dtype(config, "cpu") is None
+    assert autocast_dtype(GRPOConfig(autocast="off"), "cuda") is None
+    assert autocast_dtype(GRPOConfig(autocast="bfloat16"), "cpu") == torch.bfloat16
+    assert compiles_update(config, "cuda") and not compiles_update(config, "cpu")
+    assert compiles_update(GRPOConfig(compile=True), "cpu")
+    assert not compiles_update(GRPOConfig(compile=True, compile_update=False), "cpu")
+    with pytest.raises(ValueError, match="compile_update does not work with fsdp"):
+        GRPOConfig(fsdp=True, compile_update=True)
+    with pytest.raises(ValueError, match="sampler_dtype must be one of"):
+        GRPOConfig(sampler_dtype="float16")
+
+
+def test_bfloat16_autocast_keeps_fp32_weights_and_a_close_loss(model_tok, even_reward):
+    """One update under bfloat16 autocast: the matmuls run in bfloat16, the weights (and AdamW
+    state) stay float32 and move, and the loss (clipped ratios and a KL term: old and reference
+    log-probs given) is within 1e-3 of float32's (measured: <= 7e-5 on three batches; the
+    per-token log-probs within 1.2e-3)."""
+    model, tok = model_tok
+    batch = _batch(model, tok, even_reward, TRAIN[:2], seed=4)
+    with torch.no_grad():
+        logp, _ = grpo.batch_logprobs(model, batch, with_entropy=False)
+    old = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(7))
+    results = {}
+    for mode in ("off", "bfloat16"):
+        m = copy.deepcopy(model).train()
+        dtypes = []
+        m.model.layers[0].mlp.up_proj.register_forward_hook(
+            lambda mod, args, out, seen=dtypes: seen.append(out.dtype))
+        start = {n: p.detach().clone() for n, p in m.named_parameters()}
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        stats = training._update(m, opt, batch, old, logp - 0.1,
+                                 GRPOConfig(autocast=mode, beta=0.1))
+        assert stats["skipped"] == 0
+        assert all(p.dtype == torch.float32 for p in m.parameters())
+        assert all(v.dtype == torch.float32 for s in opt.state.values() for v in s.values()
+                   if torch.is_tensor(v) and v.dim())
+        assert any(not torch.equal(start[n], p) for n, p in m.named_parameters())
+        results[mode] = (stats["loss"], set(dtypes))
+    assert results["off"][1] == {torch.float32} and results["bfloat16"][1] == {torch.bfloat16}
+    assert abs(results["off"][0]) > 1e-2  # not the ~0 of ratio-1 advantages
+    assert abs(results["bfloat16"][0] - results["off"][0]) < 1e-3
+
+
+def test_reference_logprobs_run_without_grad_and_in_lm_head_chunks(model_tok, even_reward):
+    """The reference's pass (`_apply_update`) is under no_grad, and no lm_head call, policy or
+    reference, sees more than chunk_size positions: no (B, T, V) logits tensor."""
+    model, tok = model_tok
+    batch = _batch(model, tok, even_reward, TRAIN[:2], seed=5)
+    policy, ref = copy.deepcopy(model), copy.deepcopy(model).requires_grad_(False)
+    calls = []
+    for who, m in (("policy", policy), ("ref", ref)):
+        m.lm_head.register_forward_hook(
+            lambda mod, args, out, who=who: calls.append((who, args[0].shape[0],
+                                                          torch.is_grad_enabled())))
+    config = GRPOConfig(beta=0.1, chunk_size=4)
+    cost = {"t0": 0.0, "rollout_s": 0.0, "sampling_rounds": 1, "scorer_tokens": 0,
+            "scorer_forward_tokens": 0}
+    training._apply_update(policy, torch.optim.AdamW(policy.parameters()), batch, config, ref,
+                           ["correct"], 0, cost, lambda *a: None)
+    assert {c[0] for c in calls} == {"policy", "ref"}
+    assert all(rows <= 4 for _, rows, _ in calls)
+    assert not any(grad for who, _, grad in calls if who == "ref")
+    assert int(batch.completion_mask.sum()) > 4  # several chunks
+
+
+@compiler
+def test_the_benchmark_times_the_compiled_update_against_eager(monkeypatch):
+    """benchmarks/bench_grpo_step.py --interleave-update on a tiny batch."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    main = runpy.run_path(str(root / "benchmarks" / "bench_grpo_step.py"),
+                          run_name="bench_grpo_step")["main"]
+    out = main(["--prompts", "1", "--G", "2", "--max-new-tokens", "3", "--threads", "1",
+                "--interleave-update", "1"])
+    assert set(out["tiny"]) == {"eager", "compiled"}
+    assert all(wall > 0 and cpu > 0 for wall, cpu in out["tiny"].values())
