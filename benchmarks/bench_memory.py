@@ -1,5 +1,6 @@
-"""Benchmark: a GRPO run's peak memory per process at the Qwen3-0.6B shape on the CPU, measured
-against memory.py's formula, with and without activation checkpointing, and the update's time.
+"""Benchmark: peak memory of GRPO at the Qwen3-0.6B shape (CPU) against memory.py's formula.
+
+Measured with and without activation checkpointing, with the update's time beside it.
 
 Each case runs in a fresh process (its peak resident set size is its own): a random
 Qwen3-0.6B-shaped model in float32 (the CPU's dtypes), the reference a deep copy of what samples
@@ -139,9 +140,12 @@ def main(argv=None):
     if argv[:1] == ["--worker"]:  # one case, in the process run_case started
         print(json.dumps(worker(json.loads(argv[1]))), flush=True)
         return None
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="0.6B")
-    p.add_argument("--cases", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.6B",
+                   help="a random model of Qwen3-0.6B's shape, or the bundled model's")
+    p.add_argument("--cases", nargs="+", choices=LAYOUTS, default=list(LAYOUTS),
+                   help="layouts measured, each with checkpointing off and on")
     p.add_argument("--rows", type=positive_int, default=2, help="rows of the update's batch")
     p.add_argument("--prompt", type=positive_int, default=64, help="prompt tokens per row")
     p.add_argument("--answer", type=positive_int, default=128, help="answer tokens per row")
