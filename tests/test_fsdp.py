@@ -61,6 +61,19 @@ def test_two_sharded_processes_make_the_one_process_run(runs):
     assert runs["writes"][1] == [] or all("sharded" in line for line in runs["writes"][1])
 
 
+def test_activation_checkpointing_on_two_sharded_processes_makes_the_same_run(runs):
+    """`--activation-checkpointing` under `--fsdp` (each block's backward reruns its forward,
+    all-gathering its weights again): the one-process run's rewards and weights."""
+    out = runs["tmp"] / "two-ckpt"
+    proc, _ = _torchrun(runs["tmp"], out, ["--output-dir", str(out), *FLAGS, "--fsdp",
+                                           "--activation-checkpointing"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, rows1 = read_metrics(out / "metrics.csv"), read_metrics(runs["one"] / "metrics.csv")
+    assert [{c: r[c] for c in REWARD_COLUMNS} for r in rows] == \
+        [{c: r[c] for c in REWARD_COLUMNS} for r in rows1]
+    assert _max_diff(_weights(out), _weights(runs["one"])) < 1e-5
+
+
 def test_each_process_holds_half_of_the_weights_and_the_adamw_state(runs):
     summary = json.loads((runs["two"] / "summary.json").read_text())
     model = load_pretrained("tiny-arith", device="cpu")[0]
