@@ -20,8 +20,12 @@ code; `memory_per_process` adds them up in the dtypes the code uses (`run_dtypes
   whole gradient until it is reduce-scattered, plus the gathered weights of the blocks in
   flight.
 
-The rollout phase and the update never overlap: their transient terms (KV cache; activations,
-logits and the unsharded root) are not added, the larger one counts (`memory_per_process`).
+- the optimizer step: AdamW's temporaries (one more copy of the weights with CUDA's
+  multi-tensor form, two of the largest tensor on the CPU).
+
+The rollout phase, the update's passes and the optimizer step never overlap: their transient
+terms (KV cache; activations, logits and the unsharded root; AdamW's temporaries) are not
+added, the largest counts (`memory_per_process`).
 """
 
 from __future__ import annotations
@@ -193,6 +197,19 @@ def unsharded_bytes(cfg: Qwen3Config, sharded: bool, compute_bytes: int,
     return 2 * compute_bytes * root + cast + 2 * compute_bytes * block_parameters(cfg)
 
 
+def optimizer_step_bytes(cfg: Qwen3Config, world_size: int, sharded: bool, master_bytes: int,
+                         device: str = "cuda") -> int:
+    """AdamW's temporaries while it steps (torch.optim.AdamW's defaults): on CUDA the
+    multi-tensor ("foreach") form computes sqrt(exp_avg_sq) for every tensor at once, one more
+    copy of all the weights it updates; on the CPU the per-tensor form holds two temporaries
+    (the square root and its bias-corrected quotient) of one tensor at a time: the largest, the
+    embedding (or its shard)."""
+    share = world_size if sharded else 1
+    if device == "cuda":
+        return master_bytes * count_parameters(cfg) // share
+    return 2 * master_bytes * cfg.vocab_size * cfg.hidden_size // share
+
+
 # ----------------------------------------------------------------------------------------------
 # The sum and the table
 # ----------------------------------------------------------------------------------------------
@@ -210,7 +227,8 @@ def memory_per_process(cfg: Qwen3Config, world_size: int, sharded: bool, *,
     (`--micro-batch-size` rows of prompt + answer); answer_tokens: of those, the answer
     positions the lm_head scores (default all). device: "cuda" or "cpu" (`run_dtypes`).
     "total" is the persistent terms (weights, gradients, AdamW, sampler, reference) plus the
-    larger of the rollout phase (KV cache) and the update (activations, logits, unsharded).
+    largest of the rollout phase (KV cache), the update's forward and backward passes
+    (activations, logits, unsharded) and the optimizer step (its temporaries).
     """
     dt = run_dtypes(sharded, device, master_bytes)
     tokens = micro_batch_rows * sequence_tokens
@@ -227,10 +245,11 @@ def memory_per_process(cfg: Qwen3Config, world_size: int, sharded: bool, *,
         "logits": logits_bytes(cfg, tokens if answer_tokens is None else answer_tokens,
                                chunk_size),
         "unsharded": unsharded_bytes(cfg, sharded, dt["compute"], dt["master"]),
+        "optimizer_step": optimizer_step_bytes(cfg, world_size, sharded, dt["master"], device),
     }
     persistent = sum(out[k] for k in ("weights", "gradients", "adamw", "sampler", "reference"))
     update = out["activations"] + out["logits"] + out["unsharded"]
-    out["total"] = persistent + max(out["kv_cache"], update)
+    out["total"] = persistent + max(out["kv_cache"], update, out["optimizer_step"])
     return out
 
 

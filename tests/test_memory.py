@@ -21,6 +21,7 @@ from reasoning_from_scratch.memory import (
     logits_bytes,
     memory_per_process,
     memory_table,
+    optimizer_step_bytes,
     reference_bytes,
     root_parameters,
     run_dtypes,
@@ -110,7 +111,14 @@ def test_unsharded_by_hand():
     assert unsharded_bytes(CFG, True, 2) == 2 * 2 * ROOT + 4 * ROOT + 2 * 2 * BLOCK
 
 
-def test_the_total_adds_the_state_and_the_larger_phase():
+def test_optimizer_step_by_hand():
+    assert optimizer_step_bytes(CFG, 2, False, 4, "cuda") == 4 * N  # foreach: a whole copy
+    assert optimizer_step_bytes(CFG, 2, True, 4, "cuda") == 4 * N // 2  # of the shards
+    assert optimizer_step_bytes(CFG, 2, False, 4, "cpu") == 2 * 4 * 256 * 64  # 2 x embedding
+    assert optimizer_step_bytes(CFG, 2, True, 4, "cpu") == 4 * 256 * 64  # of its shard
+
+
+def test_the_total_adds_the_state_and_the_largest_phase():
     kw = {"rollout_rows": 8, "rollout_tokens": 2000, "micro_batch_rows": 2,
           "sequence_tokens": 30, "answer_tokens": 20, "chunk_size": 16}
     m = memory_per_process(CFG, 2, True, device="cuda", **kw)
@@ -119,10 +127,15 @@ def test_the_total_adds_the_state_and_the_larger_phase():
     assert m["logits"] == logits_bytes(CFG, 20, 16)
     state = m["weights"] + m["gradients"] + m["adamw"] + m["sampler"] + m["reference"]
     update = m["activations"] + m["logits"] + m["unsharded"]
-    assert m["kv_cache"] > update  # this shape: the rollouts are the larger phase
+    assert m["kv_cache"] > max(update, m["optimizer_step"])  # here the rollouts are larger
     assert m["total"] == state + m["kv_cache"]
     m = memory_per_process(CFG, 2, True, device="cuda", **{**kw, "rollout_tokens": 1})
-    assert m["total"] == state + update
+    assert update > m["optimizer_step"] and m["total"] == state + update
+    m = memory_per_process(CFG, 2, False, device="cpu", **{**kw, "rollout_tokens": 1,
+                                                           "sequence_tokens": 1})
+    state = m["weights"] + m["gradients"] + m["adamw"] + m["reference"]  # no sampler
+    assert m["optimizer_step"] > m["activations"] + m["logits"]  # the largest phase here
+    assert m["total"] == state + m["optimizer_step"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
