@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from reasoning_from_scratch import distributed, fsdp
+from reasoning_from_scratch.memory import count_parameters
 from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, Qwen3Model
 from reasoning_from_scratch.run_log import read_metrics
 from reasoning_from_scratch.validation import positive_int
@@ -114,12 +115,12 @@ def random_model_dir(out, shape):
     in HF layout under `out`, with the bundled tokenizer; returns (dir, parameter count)."""
     _, tok = load_pretrained("tiny-arith", device="cpu")
     if shape == "tiny":
-        return resolve_model_dir("tiny-arith"), fsdp.count_parameters(
+        return resolve_model_dir("tiny-arith"), count_parameters(
             load_pretrained("tiny-arith", device="cpu")[0].cfg)
     torch.manual_seed(0)
     model = Qwen3Model(QWEN3_0_6B_CONFIG)
     save_pretrained(model, tok, out)
-    return out, fsdp.count_parameters(QWEN3_0_6B_CONFIG)
+    return out, count_parameters(QWEN3_0_6B_CONFIG)
 
 
 def measure_startup(shape, processes, dtype_name):

@@ -28,8 +28,8 @@ How the loop (training.py) uses it, one helper per concern:
   (DCP), which re-shards on load, so a run resumes with any number of processes.
 - `full_state`: the whole weights, gathered on every process. final/ and every checkpoint get
   their Hugging Face weights from the replica, which holds exactly these after each update.
-- `memory_per_process`: the bytes a process holds for a Qwen3 config (the table in
-  docs/data_parallel.md); `local_numel` / `optimizer_state_bytes` measure the shards.
+- `local_numel` / `optimizer_state_bytes` measure the shards (what memory.py's table
+  predicts for a Qwen3 config: docs/data_parallel.md).
 
 FSDP2 is described in the PyTorch docs ("torch.distributed.fsdp.fully_shard"); the sharding of
 weights, gradients and optimizer state is ZeRO stage 3 (Rajbhandari et al., arXiv:1910.02054).
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import run_on_main
-from .qwen3 import QWEN3_0_6B_CONFIG, Qwen3Config, Qwen3Model
+from .qwen3 import Qwen3Config, Qwen3Model
 from .tokenizer import Qwen3Tokenizer
 from .weights import checkpoint_index, load_hf_state_dict, load_pretrained, resolve_model_dir
 
@@ -79,19 +79,6 @@ FSDP2_SETTERS = ("set_gradient_divide_factor", "set_force_sum_reduction_for_comm
 # The sharded model and optimizer of a checkpoint (a DCP directory: one file per process plus
 # .metadata); the rest of the checkpoint is checkpoints.py's (trainer_state.json, HF weights).
 SHARDED_DIR = "sharded"
-
-# Published Qwen3 dense configs (Hugging Face Qwen/Qwen3-*/config.json): the memory table's rows.
-QWEN3_SIZES = {
-    "Qwen3-0.6B": QWEN3_0_6B_CONFIG,
-    "Qwen3-1.7B": Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                              num_attention_heads=16, num_key_value_heads=8),
-    "Qwen3-4B": Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                            num_attention_heads=32, num_key_value_heads=8),
-    "Qwen3-8B": Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                            num_attention_heads=32, num_key_value_heads=8,
-                            tie_word_embeddings=False),
-}
-
 
 def fsdp2_problem() -> str | None:
     """Why this torch cannot run `--fsdp` (FSDP2 or one of its setters missing), or None."""
@@ -320,74 +307,3 @@ def load_sharded(path, model, optimizer) -> None:
 def is_sharded_checkpoint(path) -> bool:
     """Whether checkpoint dir `path` holds sharded (DCP) model and optimizer state."""
     return (Path(path) / SHARDED_DIR / ".metadata").is_file()
-
-
-# ----------------------------------------------------------------------------------------------
-# The memory table
-# ----------------------------------------------------------------------------------------------
-
-def count_parameters(cfg: Qwen3Config) -> int:
-    """Trainable parameters of a Qwen3 dense model (lm_head counted once when tied)."""
-    H, hd = cfg.hidden_size, cfg.head_dim
-    attn = H * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 2 * hd
-    block = attn + 3 * H * cfg.intermediate_size + 2 * H
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * H
-    return cfg.vocab_size * H + cfg.num_hidden_layers * block + H + head
-
-
-def kv_cache_bytes(cfg: Qwen3Config, rows: int, tokens: int, dtype_bytes: int = 2) -> int:
-    """Keys and values of `rows` sequences of `tokens` positions, every layer."""
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-    return rows * tokens * per_token * dtype_bytes
-
-
-def memory_per_process(cfg: Qwen3Config, world_size: int, sharded: bool, *,
-                       master_bytes: int = 4, compute_bytes: int = 2, reference: bool = True,
-                       rollout_rows: int = 128, rollout_tokens: int = 1024) -> dict[str, int]:
-    """Bytes one of `world_size` processes holds in a GRPO run, before activations.
-
-    policy: fp32 master weights (`master_bytes` per parameter); grads the same; adamw: two fp32
-    moments. DDP (`sharded` False) holds all of them whole, FSDP 1/N of each, plus its rollout
-    replica (`make_replica`, `compute_bytes` per parameter). reference: the frozen KL model, a
-    whole copy in the compute dtype on every process either way (beta > 0 only). kv_cache: this
-    process's share of a rollout batch of `rollout_rows` sequences of `rollout_tokens`.
-    """
-    n = count_parameters(cfg)
-    share = world_size if sharded else 1
-    out = {
-        "policy": master_bytes * n // share,
-        "grads": master_bytes * n // share,
-        "adamw": 8 * n // share,
-        "rollout_copy": compute_bytes * n if sharded else 0,
-        "reference": compute_bytes * n if reference else 0,
-        "kv_cache": kv_cache_bytes(cfg, -(-rollout_rows // world_size), rollout_tokens,
-                                   compute_bytes),
-    }
-    out["total"] = sum(out.values())
-    return out
-
-
-GB = 1e9
-
-
-def memory_table(world_sizes=(1, 2, 4, 8, 16), gpu_gb: float = 80.0, headroom_gb: float = 8.0,
-                 **kwargs) -> str:
-    """docs/data_parallel.md's table (markdown): GB per process, DDP vs FSDP, each Qwen3 size
-    and process count; `*` marks what fits a `gpu_gb` GPU with `headroom_gb` left for the
-    activations of the log-prob pass and the allocator (`memory_per_process` counts none)."""
-    lines = ["| model | params | N | DDP GB/process | FSDP GB/process "
-             "(policy+grads+AdamW / replica+ref / KV) |",
-             "|---|---|---|---|---|"]
-    for name, cfg in QWEN3_SIZES.items():
-        for n in world_sizes:
-            ddp = memory_per_process(cfg, n, False, **kwargs)
-            fsdp = memory_per_process(cfg, n, True, **kwargs)
-            def cell(m):
-                fits = m["total"] / GB <= gpu_gb - headroom_gb
-                return f"{m['total'] / GB:.1f}{' *' if fits else ''}"
-            parts = (f"{(fsdp['policy'] + fsdp['grads'] + fsdp['adamw']) / GB:.1f} / "
-                     f"{(fsdp['rollout_copy'] + fsdp['reference']) / GB:.1f} / "
-                     f"{fsdp['kv_cache'] / GB:.1f}")
-            lines.append(f"| {name} | {count_parameters(cfg) / 1e9:.2f} B | {n} | {cell(ddp)} | "
-                         f"{cell(fsdp)} ({parts}) |")
-    return "\n".join(lines)

@@ -20,7 +20,10 @@ The module tree mirrors Hugging Face ``Qwen3ForCausalLM`` attribute for attribut
   for a whole generation (the write position is a tensor), and the one-token step over it: what
   ``torch.compile`` turns into one graph (``generation.generate(compile=True)``).
 - ``Qwen3Model``: ``model(input_ids, attention_mask=None, cache=None) -> logits (B, T, V)``.
-  Batches of prompts of different lengths use left padding plus an attention mask.
+  Batches of prompts of different lengths use left padding plus an attention mask. With
+  ``activation_checkpointing`` set, a forward pass that records gradients keeps only each
+  block's input and recomputes the block's insides in the backward pass (Chen et al., 2016,
+  "Training Deep Nets with Sublinear Memory Cost"; ``torch.utils.checkpoint``).
 
 The book's protocol works on the same classes (docs/book_compatibility.md): ``Qwen3Model``
 also takes the book's config dict (``QWEN_CONFIG_06_B``: ``emb_dim``, ``n_layers``, ...), its
@@ -32,6 +35,7 @@ the book's ``.pth`` names (``tok_emb``, ``trf_blocks.N.att.W_query``, ``final_no
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
@@ -40,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .downloads import (
     download_qwen3_distill_checkpoints,
@@ -753,6 +758,9 @@ class Qwen3Model(nn.Module):
         # Built lazily on first use, on the model's device.
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
+        # Recompute each block in the backward instead of keeping its activations (`_block`);
+        # set by the training loops (`--activation-checkpointing`), off for inference.
+        self.activation_checkpointing = False
         if book_dict:
             self.to(getattr(torch, cfg.torch_dtype))
 
@@ -867,15 +875,28 @@ class Qwen3Model(nn.Module):
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         for i, layer in enumerate(self.model.layers):
-            if block_fn is None:
-                x = layer(x, cos, sin, attn_mask, cache, i)
-            else:
-                x = block_fn(layer, x, cos, sin, attn_mask)
+            x = self._block(layer, x, cos, sin, attn_mask, cache, i, block_fn)
         if cache is not None:
             cache.key_mask = key_mask
             cache.next_pos = past_pos + m.sum(dim=-1)
         return self.model.norm(x)
 
+    def _block(self, layer, x, cos, sin, attn_mask, cache, i, block_fn=None):
+        """layer(x, ...) -> (B, T, C), or `block_fn(layer, x, cos, sin, attn_mask)` where given
+        (`forward_hidden`'s block_fn); with `activation_checkpointing`, when gradients are
+        recorded and no KV cache is written, through `torch.utils.checkpoint`: the backward
+        pass keeps the block's input x alone (B*T*C values) instead of the dozens of tensors
+        its attention and SwiGLU save, and reruns the block's forward to get them back (one
+        more forward pass of compute). Non-reentrant (`use_reentrant=False`): the form torch
+        recommends, which FSDP2's hooks also support (the rerun all-gathers the block's
+        weights again)."""
+        if block_fn is not None:
+            run, args = functools.partial(block_fn, layer), (x, cos, sin, attn_mask)
+        else:
+            run, args = layer, (x, cos, sin, attn_mask, cache, i)
+        if self.activation_checkpointing and cache is None and torch.is_grad_enabled():
+            return checkpoint(run, *args, use_reentrant=False)
+        return run(*args)
 
     def decode_static(self, token_ids: torch.Tensor, is_real: torch.Tensor,
                       cache: StaticKVCache) -> torch.Tensor:

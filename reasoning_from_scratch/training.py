@@ -316,6 +316,10 @@ class GRPOConfig:
     chunk_size: int = option(1024,
         "answer positions per lm_head chunk in the log-prob pass (memory bound)",
         rule=at_least(1))
+    activation_checkpointing: bool = option(False,
+        "recompute each decoder block in the backward pass instead of keeping its activations "
+        "(torch.utils.checkpoint): the update's activation memory drops to the blocks' inputs "
+        "for one more forward pass of compute (docs/data_parallel.md)")
     compile: bool | None = option(None,
         "decode rollouts, evaluations and Monte-Carlo step values with one static, compiled "
         "step (torch.compile; the same tokens; each shape compiles once, seconds on a CPU). "
@@ -833,6 +837,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
         sampler = sampling_replica(model, device, sampler_dtype(config, device))
     trained = model if replica is None else replica  # the policy's weights, whole
     policy = trained if sampler is None else sampler  # what samples and evaluates
+    model.activation_checkpointing = config.activation_checkpointing  # the update's passes only
     if config.supervision == "process" and advantage_fn is None:
         advantage_fn = _process_advantage_fn(policy, tokenizer, device, config)
     t_start = time.time()

@@ -1,8 +1,8 @@
 """Sharded GRPO (`--fsdp`, fsdp.py): two Gloo processes make the one-process run while each
 holds half of the weights and AdamW state, a process without rows keeps pace with one that has
 them all, SIGTERM leaves a sharded checkpoint that one or two processes resume exactly, final/
-is the gathered model (for load_pretrained and transformers), and the memory table's
-arithmetic."""
+is the gathered model (for load_pretrained and transformers), and each process's shards are
+what the memory table (memory.py, tests/test_memory.py) predicts."""
 
 import json
 import os
@@ -21,16 +21,9 @@ from test_distributed import REWARD_COLUMNS, _max_diff, _rows, _run_here, _torch
 
 from reasoning_from_scratch import distributed, fsdp, training
 from reasoning_from_scratch.datasets import load_dataset_by_name
-from reasoning_from_scratch.fsdp import (
-    QWEN3_SIZES,
-    SHARDED_DIR,
-    count_parameters,
-    kv_cache_bytes,
-    memory_per_process,
-    memory_table,
-)
+from reasoning_from_scratch.fsdp import SHARDED_DIR
 from reasoning_from_scratch.grpo import collect_rollouts
-from reasoning_from_scratch.qwen3 import Qwen3Model
+from reasoning_from_scratch.memory import memory_per_process
 from reasoning_from_scratch.rewards import build_reward
 from reasoning_from_scratch.run_log import read_metrics
 from reasoning_from_scratch.weights import load_pretrained, save_pretrained
@@ -68,6 +61,19 @@ def test_two_sharded_processes_make_the_one_process_run(runs):
     assert runs["writes"][1] == [] or all("sharded" in line for line in runs["writes"][1])
 
 
+def test_activation_checkpointing_on_two_sharded_processes_makes_the_same_run(runs):
+    """`--activation-checkpointing` under `--fsdp` (each block's backward reruns its forward,
+    all-gathering its weights again): the one-process run's rewards and weights."""
+    out = runs["tmp"] / "two-ckpt"
+    proc, _ = _torchrun(runs["tmp"], out, ["--output-dir", str(out), *FLAGS, "--fsdp",
+                                           "--activation-checkpointing"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, rows1 = read_metrics(out / "metrics.csv"), read_metrics(runs["one"] / "metrics.csv")
+    assert [{c: r[c] for c in REWARD_COLUMNS} for r in rows] == \
+        [{c: r[c] for c in REWARD_COLUMNS} for r in rows1]
+    assert _max_diff(_weights(out), _weights(runs["one"])) < 1e-5
+
+
 def test_each_process_holds_half_of_the_weights_and_the_adamw_state(runs):
     summary = json.loads((runs["two"] / "summary.json").read_text())
     model = load_pretrained("tiny-arith", device="cpu")[0]
@@ -78,7 +84,7 @@ def test_each_process_holds_half_of_the_weights_and_the_adamw_state(runs):
     predicted = memory_per_process(model.cfg, 2, True, reference=False)
     for s in shards:  # measured from each process's local shards
         assert abs(s["param_elements"] / total - 0.5) < 0.05
-        assert abs(4 * s["param_elements"] - predicted["policy"]) / predicted["policy"] < 0.05
+        assert abs(4 * s["param_elements"] - predicted["weights"]) / predicted["weights"] < 0.05
         assert abs(s["adamw_bytes"] - predicted["adamw"]) / predicted["adamw"] < 0.05
 
 
@@ -225,33 +231,6 @@ def test_ctrl_c_on_one_rank_inside_the_update_stops_both_after_it(runs):
     assert (out / "stopped").read_text() == "130\n"
     _run_here(["--resume", str(out), "--no-progress"])
     assert _max_diff(_weights(out), _weights(runs["two"])) < 1e-5
-
-
-# ----------------------------------------------------------------------------------------------
-# The memory table
-# ----------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("name", sorted(QWEN3_SIZES))
-def test_parameter_count_is_the_models(name):
-    cfg = QWEN3_SIZES[name]
-    with torch.device("meta"):  # the shapes, without the memory
-        model = Qwen3Model(cfg)
-    assert count_parameters(cfg) == sum(p.numel() for p in model.parameters())
-
-
-def test_fsdp_divides_what_ddp_replicates():
-    cfg = QWEN3_SIZES["Qwen3-8B"]
-    n = count_parameters(cfg)
-    ddp, fsdp = memory_per_process(cfg, 8, False), memory_per_process(cfg, 8, True)
-    assert ddp["policy"] + ddp["grads"] + ddp["adamw"] == 16 * n
-    assert fsdp["policy"] + fsdp["grads"] + fsdp["adamw"] == 16 * n // 8
-    assert fsdp["rollout_copy"] == fsdp["reference"] == 2 * n
-    assert ddp["kv_cache"] == fsdp["kv_cache"] == kv_cache_bytes(cfg, 16, 1024)
-    assert ddp["total"] > 80e9 > fsdp["total"]  # 8B trains on 8 x 80 GB only sharded
-    assert memory_per_process(cfg, 1, False)["total"] / 1e9 == pytest.approx(166.8, abs=0.1)
-    table = memory_table()
-    assert table.count("\n") == 2 + 4 * 5 - 1  # header, rule, 4 sizes x 5 process counts
-    assert "| Qwen3-8B | 8.19 B | 8 | 149.8 | 51.6 * (16.4 / 32.8 / 2.4) |" in table
 
 
 def test_process_supervision_scores_with_the_unsharded_replica(tmp_path):

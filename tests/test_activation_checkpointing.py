@@ -1,0 +1,118 @@
+"""Activation checkpointing (`--activation-checkpointing`, `Qwen3Model.activation_checkpointing`):
+the same loss, gradients and update as without it, with each block's forward run again in the
+backward pass; plain and sharded (FSDP2, a group of one); inference untouched."""
+
+import torch
+from test_fsdp import fixed_batch
+
+from reasoning_from_scratch import distributed, fsdp, training
+from reasoning_from_scratch.datasets import load_dataset_by_name
+from reasoning_from_scratch.grpo import grpo_loss_on_batch
+from reasoning_from_scratch.weights import load_pretrained
+
+
+def _block_calls(model) -> list[int]:
+    """A counter of the decoder blocks' forward calls (each block's `forward` wrapped: torch
+    runs no forward hooks while it recomputes a checkpointed block)."""
+    calls = [0]
+
+    def counting(forward):
+        def wrapped(*args, **kwargs):
+            calls[0] += 1
+            return forward(*args, **kwargs)
+        return wrapped
+
+    for block in model.model.layers:
+        block.forward = counting(block.forward)
+    return calls
+
+
+def _loss_and_grads(model, batch, config):
+    """(loss, {name: gradient}) of one GRPO loss on `batch`, and the blocks' forward calls."""
+    calls = _block_calls(model)
+    model.zero_grad(set_to_none=True)
+    loss = grpo_loss_on_batch(model, batch, loss_type=config.loss_type,
+                              epsilon=config.epsilon, chunk_size=7)["loss"]
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, calls[0]
+
+
+def test_checkpointing_gives_the_same_loss_and_gradients_and_reruns_each_block():
+    model, batch, config = fixed_batch()
+    loss, grads, calls = _loss_and_grads(model, batch, config)
+    model, batch, config = fixed_batch()
+    model.activation_checkpointing = True
+    loss_ckpt, grads_ckpt, calls_ckpt = _loss_and_grads(model, batch, config)
+    blocks = model.cfg.num_hidden_layers
+    assert calls == blocks and calls_ckpt == 2 * blocks  # each block once more, in the backward
+    assert abs(loss_ckpt.item() - loss.item()) <= 1e-6
+    assert set(grads_ckpt) == set(grads)
+    assert max((grads_ckpt[n] - g).abs().max().item() for n, g in grads.items()) <= 1e-6
+    assert max(g.abs().max().item() for g in grads.values()) > 1e-3  # gradients to compare
+
+
+def test_inference_and_the_kv_cache_are_left_alone():
+    model, batch, _ = fixed_batch()
+    model.activation_checkpointing = True
+    calls = _block_calls(model)
+    with torch.no_grad():
+        model(batch.input_ids[:2])
+    assert calls[0] == model.cfg.num_hidden_layers  # nothing recorded, nothing to recompute
+
+
+def _one_update(shard: bool, checkpointing: bool) -> dict[str, torch.Tensor]:
+    """The weights after `training._update` on the fixed batch (micro-batches of 3)."""
+    model, batch, config = fixed_batch()
+    if shard:
+        fsdp.shard_model(model)
+    model.activation_checkpointing = checkpointing
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    stats = training._update(model, optimizer, batch, None, None, config)
+    assert stats["skipped"] == 0
+    return fsdp.full_state(model) if shard else {
+        k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _max_diff(a, b) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_one_update_with_checkpointing_is_the_update_without():
+    start = fixed_batch()[0].state_dict()
+    plain, ckpt = _one_update(False, False), _one_update(False, True)
+    assert _max_diff(plain, start) > 1e-4  # the step moved the weights (lr 1e-3)
+    assert _max_diff(ckpt, plain) <= 1e-6
+
+
+def test_checkpointing_under_fsdp_is_the_plain_update():
+    """`fully_shard` blocks run through `checkpoint`: the rerun all-gathers again."""
+    plain = _one_update(False, False)
+    distributed.init_distributed("cpu", group_of_one=True)
+    try:
+        sharded = _one_update(True, True)
+    finally:
+        distributed.shutdown_distributed()
+    assert _max_diff(sharded, plain) <= 1e-6
+
+
+def _update_block_calls(tmp_path, checkpointing: bool) -> int:
+    """Decoder-block forward calls during the update phase of a one-step `train_grpo` run."""
+    model, tok = load_pretrained("tiny-arith", device="cpu")
+    examples = load_dataset_by_name("arith", "train", n=8)
+    config = training.GRPOConfig(steps=1, prompts_per_step=2, num_rollouts=4, max_new_tokens=8,
+                                 eval_examples=1, eval_every=0, progress=False,
+                                 checkpoint_minutes=0, activation_checkpointing=checkpointing,
+                                 output_dir=str(tmp_path / f"run-{checkpointing}"))
+    calls, marks = _block_calls(model), {}
+    training.train_grpo(model, tok, examples, examples, "cpu", config,
+                        phase_hook=lambda phase, step: marks.setdefault(phase, calls[0]))
+    assert model.activation_checkpointing == checkpointing
+    return marks["final_eval"] - marks["update"]
+
+
+def test_the_config_field_checkpoints_the_update_of_a_run(tmp_path):
+    """train_grpo switches it on for the policy it trains: its update runs every block twice
+    (forward, and again in the backward), the rest of the run as before."""
+    plain = _update_block_calls(tmp_path, False)
+    assert plain > 0
+    assert _update_block_calls(tmp_path, True) == 2 * plain
