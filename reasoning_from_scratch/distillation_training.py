@@ -34,6 +34,7 @@ from .checkpoints import (
 )
 from .distillation import traces_to_documents
 from .distributed import (
+    agreed_stop,
     all_gather_objects,
     any_rank,
     barrier,
@@ -55,6 +56,7 @@ from .interrupts import (
     DEFAULT_STOP_SIGNALS,
     defer_interrupts,
     exit_status,
+    polling_stops,
     record_interrupts,
     stop_reason,
     stop_signal_names,
@@ -258,12 +260,13 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
         student, replica = shard_with_replica(student, device)
     policy = student if replica is None else replica  # what evaluates
 
-    def evaluate_now():
-        figures = evaluate_policy(policy, tokenizer, eval_set, device,
-                                  config.eval_max_new_tokens, config.eval_batch_size, prompt_fn,
-                                  compile=compile_decoding(config.compile, device))
-        figures["val_loss"] = (mean_completion_loss(policy, tokenizer, val_docs)
-                               if val_docs else None)
+    def evaluate_now():  # its decoding polls for an agreed stop (`stops`, below)
+        with polling_stops(stops):
+            figures = evaluate_policy(policy, tokenizer, eval_set, device,
+                                      config.eval_max_new_tokens, config.eval_batch_size,
+                                      prompt_fn, compile=compile_decoding(config.compile, device))
+            figures["val_loss"] = (mean_completion_loss(policy, tokenizer, val_docs)
+                                   if val_docs else None)
         return figures
 
     t_start = time.time()
@@ -316,9 +319,11 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
                 run.checkpoint()
         run.tick = time.time()  # evaluations and checkpoints are not training time
 
-    # Several processes stop only where all of them check (`stop_if_interrupted`); one process
-    # stops at once (the stop signals raise StopSignal, Ctrl-C raises where it lands).
+    # Several processes stop only where all of them check (`stop_if_interrupted`, and every
+    # STOP_CHECK_EVERY tokens of an evaluation's decoding: `stops`); one process stops at once
+    # (the stop signals raise StopSignal, Ctrl-C raises where it lands).
     with record_interrupts(enabled=world > 1, signals=config.stop_signals) as interrupted:
+        stops = agreed_stop(interrupted)
         try:
             if run.base is None:
                 hook("base_eval", 0)

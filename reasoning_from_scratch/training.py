@@ -60,6 +60,7 @@ from .checkpoints import (
     save_checkpoint,
 )
 from .distributed import (
+    agreed_stop,
     all_gather_objects,
     all_ranks,
     all_reduce_grads,
@@ -106,6 +107,7 @@ from .interrupts import (
     defer_interrupts,
     exit_status,
     interrupt_exception,
+    polling_stops,
     record_interrupts,
     stop_reason,
     stop_signal_names,
@@ -759,17 +761,21 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     run.open_logs(columns, resumed=resume_from is not None)
     ref_model = _reference_model(policy, tokenizer, out, config, resumed=resume_from is not None)
 
-    def evaluate_now():
-        return evaluate_policy(policy, tokenizer, eval_set, device, config.eval_tokens,
-                               config.eval_batch_size, prompt_fn,
-                               compile=compile_decoding(config.compile, device))
+    def evaluate_now():  # a phase whose decoding polls for an agreed stop (`stops`, below)
+        with polling_stops(stops):
+            return evaluate_policy(policy, tokenizer, eval_set, device, config.eval_tokens,
+                                   config.eval_batch_size, prompt_fn,
+                                   compile=compile_decoding(config.compile, device))
 
     bar = tqdm(total=config.steps, initial=run.completed, desc="grpo",
                disable=not config.progress)
-    # Several processes stop only where all of them check (`stop_if_interrupted`); one
-    # process stops at once (record_interrupts then only makes the stop signals raise
-    # StopSignal, and Ctrl-C or any of them raises where it lands).
+    # Several processes stop only where all of them check: between phases
+    # (`stop_if_interrupted`) and, inside the rollout and evaluation phases, every
+    # STOP_CHECK_EVERY tokens of decoding (`stops`, distributed.AgreedStop). One process stops
+    # at once (record_interrupts then only makes the stop signals raise StopSignal, and Ctrl-C
+    # or any of them raises where it lands).
     with record_interrupts(enabled=world > 1, signals=config.stop_signals) as interrupted:
+        stops = agreed_stop(interrupted)
         try:
             if run.base is None:
                 hook("base_eval", 0)
@@ -781,14 +787,17 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                 stop_if_interrupted(interrupted)
                 _evaluate_step(run, evaluate_now, hook)
             if compile_decoding(config.compile, device) and run.completed < config.steps:
-                _warm_up_decoding(policy, tokenizer, train_examples, eval_set, config, prompt_fn)
+                with polling_stops(stops):
+                    _warm_up_decoding(policy, tokenizer, train_examples, eval_set, config,
+                                      prompt_fn)
             while run.completed < config.steps:
                 step = run.completed
                 # Stages 1-3: rollouts, rewards, advantages (grpo.collect_rollouts)
                 stop_if_interrupted(interrupted)
                 hook("rollouts", step + 1)
-                batch, cost = _rollouts(policy, tokenizer, train_examples, device, config,
-                                        reward_fn, advantage_fn, prompt_fn, step)
+                with polling_stops(stops):  # a stop in here abandons the step's rollouts
+                    batch, cost = _rollouts(policy, tokenizer, train_examples, device, config,
+                                            reward_fn, advantage_fn, prompt_fn, step)
                 stop_if_interrupted(interrupted)
                 with defer_interrupts():  # the update, its row and its samples: all or nothing
                     # Stages 4-5: log-probs and the update (grpo.grpo_loss_on_batch)
