@@ -66,7 +66,13 @@ from .prompts import render_prompt
 from .run_log import EVAL_COLUMNS, MetricsLog, eval_cells
 from .sft import make_sft_optimizer, mean_completion_loss, train_sft
 from .tracking import RunTracker, open_tracker, report_problem, report_targets
-from .training import fresh_dir, mark_stopped, prepare_new_run_dir, stop_if_interrupted
+from .training import (
+    fresh_dir,
+    hf_export_due,
+    mark_stopped,
+    prepare_new_run_dir,
+    stop_if_interrupted,
+)
 from .validation import at_least, check_fields, in_range, non_negative, option, positive
 
 DISTILL_COLUMNS = ["step", "loss", "lr", "tokens", "step_s", "train_s", "val_loss",
@@ -130,6 +136,10 @@ class DistillConfig:
         False, "shard the student's weights, gradients and AdamW state over the torchrun "
         "processes (FSDP2, fsdp.py); evaluation runs on an unsharded replica; sharded "
         "checkpoints")
+    export_hf_checkpoints: bool = option(
+        False, "with --fsdp: also write the whole weights in Hugging Face layout into every "
+        "checkpoint-<k> (rank 0 writes a full copy of the model while the other processes "
+        "wait). final/ always has them; resuming reads the shards alone")
     compile: bool | None = option(
         None, "evaluate with generation's static, compiled decode step (torch.compile; the "
         "same answers). Default: on for CUDA, off elsewhere (no gain on the CPU, docs/speed.md)")
@@ -216,6 +226,7 @@ class _DistillRun:
             {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
              "train_seconds": self.train_seconds, "output_dir": str(self.out),
              "world_size": world_size()},
+            hf_weights=hf_export_due(path, self.config),
         )
         prune_checkpoints(self.out, self.policy.keep, self.completed)
 

@@ -21,6 +21,10 @@
 
 Generation runs under `torch.no_grad()` rather than `torch.inference_mode()`: the returned ids are
 fed to training forward passes (GRPO), and inference-mode tensors cannot be saved for backward.
+
+Both decode loops call `interrupts.poll_for_stop()` every STOP_CHECK_EVERY tokens: inside a
+training run's rollout or evaluation phase that is where a stop signal agreed by every process
+abandons the phase (distributed.AgreedStop); anywhere else it does nothing.
 """
 
 from __future__ import annotations

@@ -352,6 +352,12 @@ class GRPOConfig:
     fsdp: bool = option(False,
         "shard the weights, gradients and AdamW state over the torchrun processes (FSDP2, "
         "fsdp.py); rollouts and evaluation run on an unsharded replica; sharded checkpoints")
+    export_hf_checkpoints: bool = option(False,
+        "with --fsdp: also write the whole weights in Hugging Face layout into every "
+        "checkpoint-<k> (rank 0 writes a full copy of the model, 4 bytes per parameter in fp32, "
+        "while the other processes wait; minutes for billions of parameters). final/ always "
+        "has them; resuming reads the shards alone. Without --fsdp a checkpoint's weights are "
+        "in HF layout anyway")
     seed: int = option(123, "random seed (prompt order, rollout sampling)", rule=non_negative)
     output_dir: str = option("runs/grpo",
         "run directory for metrics, samples, checkpoints, summary and plot")
@@ -688,6 +694,7 @@ class _Run:
             None if sharded else self.optimizer, self.completed, self.config,
             {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
              "output_dir": str(self.out), "world_size": world_size()},
+            hf_weights=hf_export_due(path, self.config),
         )
         prune_checkpoints(self.out, self.policy.keep, self.completed)
 
@@ -915,6 +922,12 @@ def _show_step(bar, run, row):
     bar.set_postfix(reward=f"{row['reward_mean']:.2f}", correct=f"{row.get('correct_mean', 0):.2f}",
                     acc=f"{run.last_eval['accuracy']:.2f}")
     _print(run.config, _row_line(row))
+
+
+def hf_export_due(path, config) -> bool:
+    """Whether the checkpoint at `path` gets the whole weights in HF layout beside an FSDP run's
+    shards: final/ always, checkpoint-<k> when `config.export_hf_checkpoints`."""
+    return path.name == "final" or config.export_hf_checkpoints
 
 
 def mark_stopped(out, status):
