@@ -3,8 +3,12 @@
 A checkpoint directory `checkpoint-<k>/` holds the state after exactly k optimizer updates:
 the model in Hugging Face layout (so `load_pretrained` loads it), the AdamW state flattened into
 optimizer.safetensors with its structure in trainer_state.json, and the RNG states as uint8
-tensors in rng.safetensors. It is written to a temporary directory and renamed into place, so a
-crash leaves the previous checkpoint or the new one, never half of one.
+tensors in rng.safetensors. An FSDP run's checkpoint holds the model and AdamW shards instead
+(fsdp.py, DCP) and, beside them, the model's config and tokenizer; the whole weights in HF
+layout (a full copy that rank 0 writes while the other processes wait) only in final/ and
+where the run asks for them (`export_hf_checkpoints`): resuming reads the shards alone.
+A checkpoint is written to a temporary directory and renamed into place, so a crash leaves
+the previous checkpoint or the new one, never half of one.
 
 A run directory holds a run's checkpoints next to its logs; `find_checkpoint` picks the latest
 *intact* one (a truncated file or NaN weights make a checkpoint unusable, and resuming falls back
@@ -33,7 +37,13 @@ import torch
 
 from .files import atomic_save_safetensors, atomic_write_json, free_space, read_json
 from .fsdp import is_sharded, is_sharded_checkpoint, load_sharded
-from .weights import load_hf_state_dict, non_finite_tensors, read_safetensors, save_pretrained
+from .weights import (
+    has_weights,
+    load_hf_state_dict,
+    non_finite_tensors,
+    read_safetensors,
+    save_pretrained,
+)
 
 STATE_FILE = "trainer_state.json"
 _CHECKPOINT_NAME = re.compile(r"checkpoint-\d+")  # not checkpoint-3.tmp / .old leftovers
@@ -106,7 +116,8 @@ class CheckpointWriteError(OSError):
     checkpoints are untouched."""
 
 
-def save_checkpoint(out_dir, model, tokenizer, optimizer, step, config, extra=None) -> Path:
+def save_checkpoint(out_dir, model, tokenizer, optimizer, step, config, extra=None,
+                    hf_weights: bool = True) -> Path:
     """Write a resumable checkpoint directory atomically (temp dir, then rename).
 
     `step` is the number of optimizer updates the weights contain; `config` a dataclass or dict
@@ -114,7 +125,9 @@ def save_checkpoint(out_dir, model, tokenizer, optimizer, step, config, extra=No
     removing the temp dir (giving its space back); an existing `out_dir` survives it.
     optimizer None: an FSDP run's checkpoint, whose model and AdamW shards every process has
     already written into the temp dir (`fsdp.save_sharded`); `model` is then the unsharded
-    replica, whose weights go beside them in HF layout.
+    replica, whose weights go beside them in HF layout if `hf_weights` (else only its config
+    and tokenizer: resuming reads the shards). Without FSDP the HF-layout weights are the
+    checkpoint's model state and always written.
     """
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -122,7 +135,8 @@ def save_checkpoint(out_dir, model, tokenizer, optimizer, step, config, extra=No
         structure = "sharded"
         if optimizer is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        save_pretrained(model, tokenizer, tmp)  # HF layout: load_pretrained(out_dir) works
+        # HF layout: load_pretrained(out_dir) works (FSDP without hf_weights: config only)
+        save_pretrained(model, tokenizer, tmp, weights=hf_weights or optimizer is not None)
         if optimizer is not None:
             tensors, structure = _optimizer_to_flat(optimizer)
             atomic_save_safetensors(tensors, tmp / "optimizer.safetensors")
@@ -159,10 +173,12 @@ def read_trainer_state(path) -> dict:
 def checkpoint_problem(path) -> str | None:
     """Why checkpoint dir `path` cannot be resumed from (unreadable or non-finite), or None."""
     path = Path(path)
+    sharded = is_sharded_checkpoint(path)
     try:
         read_trainer_state(path)
-        weights = load_hf_state_dict(path)
-        if not is_sharded_checkpoint(path):  # DCP checks its own shards when it loads them
+        # an FSDP checkpoint may hold no HF weights: its shards are its model state
+        weights = load_hf_state_dict(path) if not sharded or has_weights(path) else {}
+        if not sharded:  # DCP checks its own shards when it loads them
             read_safetensors(path / "optimizer.safetensors")
         read_safetensors(path / "rng.safetensors")
     except (OSError, ValueError, KeyError) as err:

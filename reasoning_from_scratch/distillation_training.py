@@ -34,6 +34,7 @@ from .checkpoints import (
 )
 from .distillation import traces_to_documents
 from .distributed import (
+    agreed_stop,
     all_gather_objects,
     any_rank,
     barrier,
@@ -55,6 +56,7 @@ from .interrupts import (
     DEFAULT_STOP_SIGNALS,
     defer_interrupts,
     exit_status,
+    polling_stops,
     record_interrupts,
     stop_reason,
     stop_signal_names,
@@ -64,7 +66,13 @@ from .prompts import render_prompt
 from .run_log import EVAL_COLUMNS, MetricsLog, eval_cells
 from .sft import make_sft_optimizer, mean_completion_loss, train_sft
 from .tracking import RunTracker, open_tracker, report_problem, report_targets
-from .training import fresh_dir, mark_stopped, prepare_new_run_dir, stop_if_interrupted
+from .training import (
+    fresh_dir,
+    hf_export_due,
+    mark_stopped,
+    prepare_new_run_dir,
+    stop_if_interrupted,
+)
 from .validation import at_least, check_fields, in_range, non_negative, option, positive
 
 DISTILL_COLUMNS = ["step", "loss", "lr", "tokens", "step_s", "train_s", "val_loss",
@@ -128,6 +136,10 @@ class DistillConfig:
         False, "shard the student's weights, gradients and AdamW state over the torchrun "
         "processes (FSDP2, fsdp.py); evaluation runs on an unsharded replica; sharded "
         "checkpoints")
+    export_hf_checkpoints: bool = option(
+        False, "with --fsdp: also write the whole weights in Hugging Face layout into every "
+        "checkpoint-<k> (rank 0 writes a full copy of the model while the other processes "
+        "wait). final/ always has them; resuming reads the shards alone")
     compile: bool | None = option(
         None, "evaluate with generation's static, compiled decode step (torch.compile; the "
         "same answers). Default: on for CUDA, off elsewhere (no gain on the CPU, docs/speed.md)")
@@ -214,6 +226,7 @@ class _DistillRun:
             {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
              "train_seconds": self.train_seconds, "output_dir": str(self.out),
              "world_size": world_size()},
+            hf_weights=hf_export_due(path, self.config),
         )
         prune_checkpoints(self.out, self.policy.keep, self.completed)
 
@@ -258,12 +271,13 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
         student, replica = shard_with_replica(student, device)
     policy = student if replica is None else replica  # what evaluates
 
-    def evaluate_now():
-        figures = evaluate_policy(policy, tokenizer, eval_set, device,
-                                  config.eval_max_new_tokens, config.eval_batch_size, prompt_fn,
-                                  compile=compile_decoding(config.compile, device))
-        figures["val_loss"] = (mean_completion_loss(policy, tokenizer, val_docs)
-                               if val_docs else None)
+    def evaluate_now():  # its decoding polls for an agreed stop (`stops`, below)
+        with polling_stops(stops):
+            figures = evaluate_policy(policy, tokenizer, eval_set, device,
+                                      config.eval_max_new_tokens, config.eval_batch_size,
+                                      prompt_fn, compile=compile_decoding(config.compile, device))
+            figures["val_loss"] = (mean_completion_loss(policy, tokenizer, val_docs)
+                                   if val_docs else None)
         return figures
 
     t_start = time.time()
@@ -316,9 +330,11 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
                 run.checkpoint()
         run.tick = time.time()  # evaluations and checkpoints are not training time
 
-    # Several processes stop only where all of them check (`stop_if_interrupted`); one process
-    # stops at once (the stop signals raise StopSignal, Ctrl-C raises where it lands).
+    # Several processes stop only where all of them check (`stop_if_interrupted`, and every
+    # STOP_CHECK_EVERY tokens of an evaluation's decoding: `stops`); one process stops at once
+    # (the stop signals raise StopSignal, Ctrl-C raises where it lands).
     with record_interrupts(enabled=world > 1, signals=config.stop_signals) as interrupted:
+        stops = agreed_stop(interrupted)
         try:
             if run.base is None:
                 hook("base_eval", 0)

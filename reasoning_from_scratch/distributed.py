@@ -25,6 +25,10 @@ Chapter 9's distillation (`sft.sft_step`) uses the same pieces: each process tak
 of a batch of traces, divides its summed loss by the whole batch's completion tokens and sums
 the gradients with `all_reduce_grads`.
 
+- `AgreedStop`: a stop signal that reached any rank, agreed on inside a rollout or evaluation
+  phase: the decode loops poll it every few tokens (interrupts.py's `polling_stops`), and every
+  helper here first settles the polls, so a poll never meets another collective.
+
 This is replicated data parallelism: every process holds the whole model and its AdamW state.
 fsdp.py shards them instead (`--fsdp`), reusing these helpers for everything but the gradients.
 """
@@ -37,6 +41,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from .interrupts import InterruptFlag, interrupt_exception, settle_stop_polls
 
 # Gradients are summed in flat buckets of at most this many elements: one collective per bucket
 # instead of one per parameter (hundreds for Qwen3), without a second copy of a large model.
@@ -177,6 +183,7 @@ def _comm_device() -> torch.device:
 def barrier() -> None:
     """Wait until every rank gets here (e.g. until rank 0 has written a checkpoint)."""
     if world_size() > 1:
+        settle_stop_polls()
         dist.barrier()
 
 
@@ -197,6 +204,7 @@ def all_gather_objects(obj) -> list:
     """[obj of rank 0, obj of rank 1, ...] on every rank (any picklable object)."""
     if world_size() == 1:
         return [obj]
+    settle_stop_polls()
     out = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -221,6 +229,12 @@ def _all_reduce(values: Sequence[float], op: str) -> list[float]:
     """A float64 all-reduce ("sum" or "max") of a few numbers (exact for counts below 2**53)."""
     if world_size() == 1:
         return [float(v) for v in values]
+    settle_stop_polls()
+    return _reduce_now(values, op)
+
+
+def _reduce_now(values: Sequence[float], op: str) -> list[float]:
+    """`_all_reduce` without settling the stop polls first (the polls' own collective)."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t.tolist()
@@ -264,6 +278,7 @@ def all_reduce_grads(params, bucket_numel: int = GRAD_BUCKET_NUMEL) -> None:
     params = [p for p in params if p.requires_grad]
     if world_size() == 1 or not params:
         return
+    settle_stop_polls()
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
                        device=_comm_device())
     dist.all_reduce(has, op=dist.ReduceOp.MAX)  # a rank without rows has no gradients at all
@@ -323,8 +338,46 @@ def run_on_main(fn: Callable, *args, **kwargs):
             box[0] = ("ok", fn(*args, **kwargs))
         except Exception as err:  # sent to the other ranks, then raised here too
             box[0] = ("error", err)
+    settle_stop_polls()  # after fn: rank 0's own decoding may poll, the others answer
     dist.broadcast_object_list(box, src=0, device=_comm_device())
     kind, value = box[0]
     if kind == "error":
         raise value
     return value
+
+
+class AgreedStop:
+    """A stop signal agreed on inside a phase by every process (`interrupts.StopPoll`).
+
+    Each process's decode loops call `poll` every few tokens: one all-reduce of (the signal
+    this process recorded, 1 = still working); any signal raises the stop on every process at
+    the same poll. Processes decode different numbers of tokens, so a process whose work ended
+    first `settle`s, answering the others' polls with 0, until every one reports 0: the polls
+    pair up in order, whatever each process decoded, and the next collective meets its
+    partners. A poll costs one small all-reduce (a host sync) per STOP_CHECK_EVERY tokens.
+    """
+
+    def __init__(self, flag: InterruptFlag):
+        self.flag = flag
+
+    def _agree(self, working: bool) -> bool:
+        """One all-reduce of (signal, working); raises an agreed stop; True while any works."""
+        signum, working_anywhere = _reduce_now([self.flag.signum, float(working)], "max")
+        if signum:
+            raise interrupt_exception(int(signum))
+        return working_anywhere > 0
+
+    def poll(self) -> None:
+        """A decode loop's look at the stop (this process still works)."""
+        self._agree(True)
+
+    def settle(self) -> None:
+        """This process is done with the phase: answer the others' polls until all are."""
+        while self._agree(False):
+            pass
+
+
+def agreed_stop(flag: InterruptFlag) -> AgreedStop | None:
+    """The stop poll of a run whose interrupts `flag` records: `AgreedStop` with several
+    processes, None for one (its stop signals raise where they land)."""
+    return AgreedStop(flag) if world_size() > 1 else None

@@ -45,7 +45,13 @@ import torch.distributed as dist
 from .distributed import run_on_main
 from .qwen3 import Qwen3Config, Qwen3Model
 from .tokenizer import Qwen3Tokenizer
-from .weights import checkpoint_index, load_hf_state_dict, load_pretrained, resolve_model_dir
+from .weights import (
+    checkpoint_index,
+    has_weights,
+    load_hf_state_dict,
+    load_pretrained,
+    resolve_model_dir,
+)
 
 # FSDP2 and its setters arrived over several torch releases. Only `--fsdp` needs them: on a torch
 # without them every import here still works (the names below are then None), plain and
@@ -181,12 +187,14 @@ def shard_with_replica(model, device, dtype: torch.dtype | None = None):
     return model, replica
 
 
-def load_model_sharded(model_dir, device, dtype: torch.dtype | None = None):
+def load_model_sharded(model_dir, device, dtype: torch.dtype | None = None,
+                       fill: bool = True):
     """A sharded Qwen3Model from a HF-layout directory, whole on no process but rank 0's reader:
     built on the meta device, sharded (`shard_model`), given memory for its shards alone, then
     filled by `set_model_state_dict(..., broadcast_from_rank0=True)`: rank 0 reads the weights a
     group of tensors at a time (`_load_groups`), each tensor is broadcast and every process
-    keeps its shard. dtype: of the master weights (default fp32)."""
+    keeps its shard. dtype: of the master weights (default fp32). fill=False: the shards are
+    left unset, for `load_sharded` to fill (a sharded checkpoint holds only the config)."""
     model_dir = resolve_model_dir(model_dir)
     cfg = Qwen3Config.from_json(Path(model_dir) / "config.json")
     dtype = dtype or torch.float32
@@ -194,6 +202,8 @@ def load_model_sharded(model_dir, device, dtype: torch.dtype | None = None):
         model = Qwen3Model(cfg).to(dtype)
     shard_model(model, mixed_precision(device))
     model.to_empty(device=device)  # this process's shards only
+    if not fill:
+        return model.eval()
     groups = _load_groups(model)
     run_on_main(_check_holds, model_dir, [n for g in groups for n in g])  # else all raise
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
@@ -237,11 +247,14 @@ def _load_groups(model) -> list[list[str]]:
 def load_for_run(name_or_path, device, dtype: torch.dtype | None, sharded: bool):
     """(model, tokenizer) for a training run: `weights.load_pretrained`, or with `sharded` (an
     FSDP run in a process group) `load_model_sharded`, so no process but rank 0 ever reads the
-    whole model and none holds it twice."""
+    whole model and none holds it twice. A sharded checkpoint without HF weights gives the
+    model unfilled: the run loads its shards (`checkpoints.load_checkpoint`)."""
     if not sharded:
         return load_pretrained(name_or_path, device=device, dtype=dtype)
-    tokenizer = Qwen3Tokenizer.from_pretrained(resolve_model_dir(name_or_path))
-    return load_model_sharded(name_or_path, device, dtype), tokenizer
+    model_dir = resolve_model_dir(name_or_path)
+    tokenizer = Qwen3Tokenizer.from_pretrained(model_dir)
+    fill = has_weights(model_dir) or not is_sharded_checkpoint(model_dir)
+    return load_model_sharded(model_dir, device, dtype, fill=fill), tokenizer
 
 
 @torch.no_grad()

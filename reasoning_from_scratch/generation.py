@@ -21,6 +21,10 @@
 
 Generation runs under `torch.no_grad()` rather than `torch.inference_mode()`: the returned ids are
 fed to training forward passes (GRPO), and inference-mode tensors cannot be saved for backward.
+
+Both decode loops call `interrupts.poll_for_stop()` every STOP_CHECK_EVERY tokens: inside a
+training run's rollout or evaluation phase that is where a stop signal agreed by every process
+abandons the phase (distributed.AgreedStop); anywhere else it does nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .interrupts import poll_for_stop
 from .qwen3 import KVCache, StaticKVCache
 
 __all__ = [
@@ -213,6 +218,10 @@ def _decode_logits(model, token_ids: torch.Tensor, is_real: torch.Tensor, cache:
 # The host looks at "has every row finished?" (a device sync) once per this many tokens; the
 # steps in between run on rows that may all have finished, masked like any finished row.
 CHECK_EVERY = 16
+# Both decode loops look at the run's stop (`interrupts.poll_for_stop`: in a data-parallel run
+# one small all-reduce, a host sync, that every process answers) once per this many tokens,
+# from the first: a phase of minutes stops within this many tokens of a stop signal.
+STOP_CHECK_EVERY = CHECK_EVERY
 
 
 @dataclass
@@ -406,6 +415,8 @@ def _generate_static(model, input_ids, attention_mask, cache, G, max_new_tokens,
     setting = (temperature, top_p, top_k, eos, pad_token_id, return_logprobs)
     last = N - 1  # the last step the eager loop runs
     for s in range(N if steps is None else min(N, steps)):
+        if s % STOP_CHECK_EVERY == 0:
+            poll_for_stop()
         if s % CHECK_EVERY == 0:
             window, saved = s, [g.get_state() for g in gens]
         r = uniforms()
@@ -560,6 +571,8 @@ def _generate_eager(model, input_ids, attention_mask, cache, G, max_new_tokens, 
         logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
     finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     for step in range(max_new_tokens):
+        if step % STOP_CHECK_EVERY == 0:
+            poll_for_stop()  # a stop agreed by every process abandons the phase here
         nxt = sample_next_token(logits, temperature, top_p, top_k, generator)  # (B*,)
         if return_logprobs:
             logps.append(_token_logprob(logits, nxt, temperature))

@@ -23,6 +23,14 @@ in the middle of its rollouts would leave the others waiting in their next colle
 `defer_interrupts` block hands its signal on to it instead of raising), and the loop asks, at
 points every rank passes in the same order, whether any rank got one (`distributed.any_rank`);
 if so every rank raises there (`interrupt_exception`).
+
+A rollout or evaluation phase can decode for minutes, longer than a scheduler's grace period
+between its stop signal and its SIGKILL. Inside such a phase the decode loops (generation.py)
+therefore call `poll_for_stop()` every few tokens: within a `polling_stops(poll)` block that
+asks `poll` (distributed.AgreedStop: the flag of every rank, agreed on by one all-reduce), and
+raises the stop there, on every rank at the same poll; outside one it does nothing (a lone
+process raises where the signal lands anyway). The phase is abandoned (it changed nothing a
+checkpoint holds) and the run saves its last finished update.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ import inspect
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from typing import Protocol
 
 # Signals that stop a run like Ctrl-C (with a checkpoint) unless a run chooses others.
 DEFAULT_STOP_SIGNALS = "SIGTERM,SIGHUP,SIGUSR1"
@@ -45,6 +55,19 @@ _NOT_STOP_SIGNALS = {"SIGINT", "SIGKILL", "SIGSTOP"}
 
 _watched: tuple[int, ...] = ()  # the stop signals the current run handles (`_handling`)
 _stopping = False  # a StopSignal was raised: the run is saving and exiting
+
+
+class StopPoll(Protocol):
+    """What `polling_stops` installs: asked by the decode loops, settled before collectives."""
+
+    def poll(self) -> None:
+        """Raise the run's stop (KeyboardInterrupt / StopSignal) if it is to stop here."""
+
+    def settle(self) -> None:
+        """Finish this phase's polling (every process), raising the stop if one comes."""
+
+
+_poll: StopPoll | None = None  # the stop poll of the phase running now (`polling_stops`)
 
 
 class StopSignal(KeyboardInterrupt):
@@ -222,3 +245,34 @@ def exit_on_stop(main, argv):
         return main(argv)
     except KeyboardInterrupt as stop:
         raise SystemExit(exit_status(stop)) from None
+
+
+@contextlib.contextmanager
+def polling_stops(poll: StopPoll | None) -> Iterator[None]:
+    """Within the block, `poll_for_stop()` (the decode loops, every few tokens) asks `poll`;
+    the block ends with `poll.settle()`. None: nothing is polled (a one-process run, whose
+    stop signals raise at once)."""
+    global _poll
+    if poll is None:
+        yield
+        return
+    previous, _poll = _poll, poll
+    try:
+        yield
+        poll.settle()  # an exception leaves without: a stop was agreed, or the run failed
+    finally:
+        _poll = previous
+
+
+def poll_for_stop() -> None:
+    """Called by long loops (generation's decode loops, every STOP_CHECK_EVERY tokens): raise
+    the run's stop here if the phase's `StopPoll` says so; nothing outside `polling_stops`."""
+    if _poll is not None:
+        _poll.poll()
+
+
+def settle_stop_polls() -> None:
+    """Called before a collective (distributed.py's helpers): inside `polling_stops`, first
+    wait until every process has finished polling, so a poll never meets another collective."""
+    if _poll is not None:
+        _poll.settle()

@@ -61,6 +61,7 @@ from .checkpoints import (
     save_checkpoint,
 )
 from .distributed import (
+    agreed_stop,
     all_gather_objects,
     all_ranks,
     all_reduce_grads,
@@ -109,6 +110,7 @@ from .interrupts import (
     defer_interrupts,
     exit_status,
     interrupt_exception,
+    polling_stops,
     record_interrupts,
     stop_reason,
     stop_signal_names,
@@ -374,6 +376,12 @@ class GRPOConfig:
     fsdp: bool = option(False,
         "shard the weights, gradients and AdamW state over the torchrun processes (FSDP2, "
         "fsdp.py); rollouts and evaluation run on an unsharded replica; sharded checkpoints")
+    export_hf_checkpoints: bool = option(False,
+        "with --fsdp: also write the whole weights in Hugging Face layout into every "
+        "checkpoint-<k> (rank 0 writes a full copy of the model, 4 bytes per parameter in fp32, "
+        "while the other processes wait; minutes for billions of parameters). final/ always "
+        "has them; resuming reads the shards alone. Without --fsdp a checkpoint's weights are "
+        "in HF layout anyway")
     seed: int = option(123, "random seed (prompt order, rollout sampling)", rule=non_negative)
     output_dir: str = option("runs/grpo",
         "run directory for metrics, samples, checkpoints, summary and plot")
@@ -789,6 +797,7 @@ class _Run:
             None if sharded else self.optimizer, self.completed, self.config,
             {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
              "output_dir": str(self.out), "world_size": world_size()},
+            hf_weights=hf_export_due(path, self.config),
         )
         prune_checkpoints(self.out, self.policy.keep, self.completed)
 
@@ -870,17 +879,21 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     fixed_shape = update_shape(config, tokenizer, train_examples, prompt_fn) \
         if compiles_update(config, device) else None
 
-    def evaluate_now():
-        return evaluate_policy(policy, tokenizer, eval_set, device, config.eval_tokens,
-                               config.eval_batch_size, prompt_fn,
-                               compile=compile_decoding(config.compile, device))
+    def evaluate_now():  # a phase whose decoding polls for an agreed stop (`stops`, below)
+        with polling_stops(stops):
+            return evaluate_policy(policy, tokenizer, eval_set, device, config.eval_tokens,
+                                   config.eval_batch_size, prompt_fn,
+                                   compile=compile_decoding(config.compile, device))
 
     bar = tqdm(total=config.steps, initial=run.completed, desc="grpo",
                disable=not config.progress)
-    # Several processes stop only where all of them check (`stop_if_interrupted`); one
-    # process stops at once (record_interrupts then only makes the stop signals raise
-    # StopSignal, and Ctrl-C or any of them raises where it lands).
+    # Several processes stop only where all of them check: between phases
+    # (`stop_if_interrupted`) and, inside the rollout and evaluation phases, every
+    # STOP_CHECK_EVERY tokens of decoding (`stops`, distributed.AgreedStop). One process stops
+    # at once (record_interrupts then only makes the stop signals raise StopSignal, and Ctrl-C
+    # or any of them raises where it lands).
     with record_interrupts(enabled=world > 1, signals=config.stop_signals) as interrupted:
+        stops = agreed_stop(interrupted)
         try:
             if run.base is None:
                 hook("base_eval", 0)
@@ -892,14 +905,17 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                 stop_if_interrupted(interrupted)
                 _evaluate_step(run, evaluate_now, hook)
             if compile_decoding(config.compile, device) and run.completed < config.steps:
-                _warm_up_decoding(policy, tokenizer, train_examples, eval_set, config, prompt_fn)
+                with polling_stops(stops):
+                    _warm_up_decoding(policy, tokenizer, train_examples, eval_set, config,
+                                      prompt_fn)
             while run.completed < config.steps:
                 step = run.completed
                 # Stages 1-3: rollouts, rewards, advantages (grpo.collect_rollouts)
                 stop_if_interrupted(interrupted)
                 hook("rollouts", step + 1)
-                batch, cost = _rollouts(policy, tokenizer, train_examples, device, config,
-                                        reward_fn, advantage_fn, prompt_fn, step)
+                with polling_stops(stops):  # a stop in here abandons the step's rollouts
+                    batch, cost = _rollouts(policy, tokenizer, train_examples, device, config,
+                                            reward_fn, advantage_fn, prompt_fn, step)
                 stop_if_interrupted(interrupted)
                 with defer_interrupts():  # the update, its row and its samples: all or nothing
                     # Stages 4-5: log-probs and the update (grpo.grpo_loss_on_batch)
@@ -1017,6 +1033,12 @@ def _show_step(bar, run, row):
     bar.set_postfix(reward=f"{row['reward_mean']:.2f}", correct=f"{row.get('correct_mean', 0):.2f}",
                     acc=f"{run.last_eval['accuracy']:.2f}")
     _print(run.config, _row_line(row))
+
+
+def hf_export_due(path, config) -> bool:
+    """Whether the checkpoint at `path` gets the whole weights in HF layout beside an FSDP run's
+    shards: final/ always, checkpoint-<k> when `config.export_hf_checkpoints`."""
+    return path.name == "final" or config.export_hf_checkpoints
 
 
 def mark_stopped(out, status):

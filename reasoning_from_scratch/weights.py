@@ -142,6 +142,12 @@ def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
             if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
+def has_weights(model_dir: PathLike) -> bool:
+    """Whether `model_dir` holds HF-layout weights (model.safetensors or a sharded index)."""
+    model_dir = Path(model_dir)
+    return (model_dir / SINGLE_FILE).is_file() or (model_dir / INDEX_FILE).is_file()
+
+
 def checkpoint_index(model_dir: PathLike) -> dict[str, Path]:
     """Map tensor name -> safetensors file holding it (single file or sharded index)."""
     model_dir = Path(model_dir)
@@ -345,21 +351,27 @@ def _remove_stale_shards(out_dir: Path) -> None:
     index.unlink(missing_ok=True)
 
 
-def save_pretrained(model: Qwen3Model, tokenizer: Qwen3Tokenizer, out_dir: PathLike) -> Path:
-    """Write config.json, generation_config.json, model.safetensors and tokenizer files."""
+def save_pretrained(model: Qwen3Model, tokenizer: Qwen3Tokenizer, out_dir: PathLike,
+                    weights: bool = True) -> Path:
+    """Write config.json, generation_config.json, model.safetensors and tokenizer files.
+    weights=False: all but model.safetensors (the model's description and its tokenizer, for a
+    checkpoint whose weights are kept elsewhere: an FSDP run's shards)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     embed = model.model.embed_tokens.weight
     tied = cfg.tie_word_embeddings
-    if tied and model.lm_head.weight is not embed and not torch.equal(model.lm_head.weight, embed):
-        raise ValueError(
-            "cfg.tie_word_embeddings is True but lm_head.weight differs from "
-            "model.embed_tokens.weight; re-tie them or set tie_word_embeddings=False"
-        )
-    tensors = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    atomic_save_safetensors(tensors, out_dir / SINGLE_FILE)
-    _remove_stale_shards(out_dir)
+    if weights:
+        if tied and model.lm_head.weight is not embed and \
+                not torch.equal(model.lm_head.weight, embed):
+            raise ValueError(
+                "cfg.tie_word_embeddings is True but lm_head.weight differs from "
+                "model.embed_tokens.weight; re-tie them or set tie_word_embeddings=False"
+            )
+        tensors = {k: v for k, v in model.state_dict().items()
+                   if not (tied and k == "lm_head.weight")}
+        atomic_save_safetensors(tensors, out_dir / SINGLE_FILE)
+        _remove_stale_shards(out_dir)
 
     config = cfg.to_hf_dict()
     config["torch_dtype"] = _dtype_name(embed.dtype)

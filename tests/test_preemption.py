@@ -202,10 +202,10 @@ def test_a_full_disk_stops_the_command_with_one_line(tiny_dir, tmp_path, capsys,
                                                      monkeypatch):
     real = checkpoints.save_pretrained
 
-    def disk_full(model, tokenizer, out_dir):
+    def disk_full(model, tokenizer, out_dir, **kwargs):
         if Path(out_dir).name == "checkpoint-2.tmp":
             raise OSError(28, "No space left on device")
-        return real(model, tokenizer, out_dir)
+        return real(model, tokenizer, out_dir, **kwargs)
 
     monkeypatch.setattr(checkpoints, "save_pretrained", disk_full)
     out = tmp_path / "run"

@@ -129,12 +129,12 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one_and_resumes_exactly(
         tiny_dir, tmp_path, even_reward, straight, monkeypatch):
     real = checkpoints.save_pretrained
 
-    def disk_full(model, tokenizer, out_dir):  # half a file, then ENOSPC
+    def disk_full(model, tokenizer, out_dir, **kwargs):  # half a file, then ENOSPC
         if Path(out_dir).name == "checkpoint-4.tmp":
             Path(out_dir).mkdir(parents=True)
             (Path(out_dir) / "model.safetensors").write_bytes(b"\0" * 1000)
             raise OSError(28, "No space left on device")
-        return real(model, tokenizer, out_dir)
+        return real(model, tokenizer, out_dir, **kwargs)
 
     monkeypatch.setattr(checkpoints, "save_pretrained", disk_full)
     out = tmp_path / "run"

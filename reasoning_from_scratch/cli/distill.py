@@ -116,8 +116,9 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
     for f in fields(DistillConfig):
         if f.name in ("progress", "output_dir"):
             continue
-        if f.name == "fsdp":
-            p.add_argument("--fsdp", action="store_true", help=DISTILL_HELP["fsdp"])
+        if f.name in ("fsdp", "export_hf_checkpoints"):
+            p.add_argument("--" + f.name.replace("_", "-"), action="store_true",
+                           help=DISTILL_HELP[f.name])
             continue
         if f.name == "report_to":
             add_report_argument(p, help=DISTILL_HELP["report_to"])
@@ -132,7 +133,8 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=None, help=DISTILL_HELP["output_dir"])
     p.add_argument("--resume", default=None,
                    help="run directory to continue exactly (its saved settings are used; "
-                        "--steps, --report-to, --fsdp, --device and --threads may be given again)")
+                        "--steps, --report-to, --fsdp, --export-hf-checkpoints, --device and "
+                        "--threads may be given again)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --output-dir")
     p.add_argument("--no-progress", dest="progress", action="store_false",
@@ -188,8 +190,11 @@ def _resolve(parser, args, argv):
             steps_given = any(a == "--steps" or a.startswith("--steps=") for a in argv or [])
             report_given = any(a.startswith("--report-to") for a in argv or [])
             fsdp_given = "--fsdp" in (argv or [])
+            export_given = "--export-hf-checkpoints" in (argv or [])
             values = {**saved, "steps": args.steps if steps_given else saved["steps"],
                       "fsdp": True if fsdp_given else saved.get("fsdp", False),
+                      "export_hf_checkpoints": export_given
+                      or saved.get("export_hf_checkpoints", False),
                       "progress": args.progress, "output_dir": str(run_dir),
                       "report_to": args.report_to if report_given
                       else saved.get("report_to", ())}
