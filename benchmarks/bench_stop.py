@@ -34,11 +34,12 @@ from pathlib import Path
 import torch
 from bench_fsdp import random_model_dir
 
-from reasoning_from_scratch import distributed, training
+from reasoning_from_scratch import distributed
 from reasoning_from_scratch.datasets import load_dataset_by_name
 from reasoning_from_scratch.fsdp import load_for_run
 from reasoning_from_scratch.generation import STOP_CHECK_EVERY
 from reasoning_from_scratch.interrupts import StopSignal
+from reasoning_from_scratch.run_dir import RunDir
 from reasoning_from_scratch.training import GRPOConfig, train_grpo
 from reasoning_from_scratch.validation import positive_int
 
@@ -53,7 +54,7 @@ def worker(model_dir, out, delay, signal_step, max_new_tokens, num_rollouts, sha
     distributed.init_distributed(torch.device("cpu"), group_of_one=sharded)
     me, world = distributed.rank(), distributed.world_size()
     times = {"rank": me}
-    real_save = training._save_interrupted
+    real_save = RunDir.save_interrupted
 
     def timed_save(run, stop):  # the phase is abandoned: the run saves, then raises
         times["abandoned"] = time.time()
@@ -69,7 +70,7 @@ def worker(model_dir, out, delay, signal_step, max_new_tokens, num_rollouts, sha
         if (phase, step) == ("rollouts", signal_step) and me == world - 1:
             threading.Timer(delay, send).start()
 
-    training._save_interrupted = timed_save
+    RunDir.save_interrupted = timed_save
     model, tok = load_for_run(model_dir, torch.device("cpu"), None, sharded)
     examples = load_dataset_by_name("arith", "train", n=64)
     # every group kept: a random model's rewards are all equal, and the updates before the

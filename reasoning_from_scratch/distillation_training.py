@@ -20,34 +20,16 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, fields
 
-from tqdm import tqdm
-
-from .checkpoints import (
-    STOPPED_FILE,
-    CheckpointPolicy,
-    load_checkpoint,
-    prune_checkpoints,
-    save_checkpoint,
-)
 from .distillation import traces_to_documents
 from .distributed import (
-    agreed_stop,
     all_gather_objects,
-    any_rank,
-    barrier,
-    check_replicas_agree,
-    is_main,
-    run_on_main,
     world_size,
 )
 from .evaluation import EVAL_FIGURES, evaluate_policy
-from .files import atomic_write_json
 from .fsdp import (
     refresh_replica,
-    save_sharded,
     shard_sizes,
     shard_with_replica,
 )
@@ -55,24 +37,14 @@ from .generation import compile_decoding
 from .interrupts import (
     DEFAULT_STOP_SIGNALS,
     defer_interrupts,
-    exit_status,
     polling_stops,
-    record_interrupts,
-    stop_reason,
     stop_signal_names,
 )
-from .plotting import plot_grpo_metrics
 from .prompts import render_prompt
-from .run_log import EVAL_COLUMNS, MetricsLog, eval_cells
+from .run_dir import RunDir, start_run, stop_if_interrupted
+from .run_log import EVAL_COLUMNS
 from .sft import make_sft_optimizer, mean_completion_loss, train_sft
-from .tracking import RunTracker, open_tracker, report_problem, report_targets
-from .training import (
-    fresh_dir,
-    hf_export_due,
-    mark_stopped,
-    prepare_new_run_dir,
-    stop_if_interrupted,
-)
+from .tracking import report_problem, report_targets
 from .validation import at_least, check_fields, in_range, non_negative, option, positive
 
 DISTILL_COLUMNS = ["step", "loss", "lr", "tokens", "step_s", "train_s", "val_loss",
@@ -172,63 +144,19 @@ def split_traces(records, val_fraction: float, seed: int) -> tuple[list[dict], l
             [r for r in records if r["problem"] in held])
 
 
-class _DistillRun:
-    """What a checkpoint of a distillation run holds besides weights and optimizer, and its
-    file writer: every process keeps the state, rank 0 alone writes (as training.py's `_Run`)."""
+class _DistillRun(RunDir):
+    """A distillation run's directory (run_dir.py), which also keeps the seconds spent
+    training (evaluations and checkpoints left out) and when the update in progress began."""
 
     def __init__(self, out, model, tokenizer, optimizer, config, replica=None):
-        self.out, self.model, self.tokenizer = out, model, tokenizer
-        self.replica = replica  # FSDP: the unsharded copy, current after every update
-        self.optimizer, self.config = optimizer, config
-        self.completed, self.eval_pending, self.train_seconds = 0, False, 0.0
-        self.base = self.last_eval = None
-        self.log = None  # rank 0's MetricsLog
-        self.tracker = RunTracker()  # rank 0's live reporting; the others: nothing
+        super().__init__(out, model, tokenizer, optimizer, config, DISTILL_COLUMNS,
+                         DISTILL_PLOT_COLUMNS, DISTILL_EVAL_COLUMNS, replica)
+        self.train_seconds = 0.0
         self.tick = time.time()
-        self.policy = CheckpointPolicy(config.checkpoint_every, config.checkpoint_minutes,
-                                       config.keep_checkpoints)
 
-    def open_logs(self, resumed):
-        """Rank 0 opens metrics.csv (dropping rows after a resumed step), writes config.json
-        for a new run and opens the trackers; an error there stops every process."""
-        run_on_main(self._open_logs, resumed)
-
-    def _open_logs(self, resumed):
-        """`open_logs` on rank 0."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / STOPPED_FILE).unlink(missing_ok=True)  # running again
-        self.log = MetricsLog(self.out / "metrics.csv", DISTILL_COLUMNS,
-                              keep_upto=self.completed if resumed else None)
-        if not resumed:
-            atomic_write_json(self.out / "config.json",
-                              {**asdict(self.config), "world_size": world_size()})
-        self.tracker = open_tracker(self.config.report_to, self.out, asdict(self.config),
-                                    resume_step=self.completed if resumed else None)
-
-    def checkpoint(self, name=None):
-        """Save `checkpoint-<completed>` (or `name`) with the run's bookkeeping; prune the old
-        ones (`CheckpointPolicy`). FSDP: every process writes its shards first (DCP)."""
-        path = self.out / (name or f"checkpoint-{self.completed}")
-        if self.replica is not None:
-            tmp = run_on_main(fresh_dir, path.with_name(path.name + ".tmp"))
-            save_sharded(tmp, self.model, self.optimizer)
-            barrier()
-        run_on_main(self._save, path)
-        self.policy.saved()
-        return path
-
-    def _save(self, path):
-        """`checkpoint` on rank 0: weights from the replica under FSDP (AdamW state in DCP)."""
-        sharded = self.replica is not None
-        save_checkpoint(
-            path, self.replica if sharded else self.model, self.tokenizer,
-            None if sharded else self.optimizer, self.completed, self.config,
-            {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
-             "train_seconds": self.train_seconds, "output_dir": str(self.out),
-             "world_size": world_size()},
-            hf_weights=hf_export_due(path, self.config),
-        )
-        prune_checkpoints(self.out, self.policy.keep, self.completed)
+    def extra_state(self) -> dict:
+        """The training seconds so far, saved in every checkpoint."""
+        return {"train_seconds": self.train_seconds}
 
 
 def train_distillation(student, tokenizer, records, eval_examples, device, config: DistillConfig,
@@ -253,13 +181,7 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
     every update, and checkpoints hold the shards beside the HF weights, so a run resumes with
     any number of processes.
     """
-    world = world_size()
-    if not is_main():
-        config = replace(config, progress=False)  # rank 0 prints for everyone
-    out = Path(config.output_dir)
-    if resume_from is None:
-        run_on_main(prepare_new_run_dir, out, overwrite)
-    hook = phase_hook or (lambda phase, step: None)
+    config, out, hook = start_run(config, resume_from, overwrite, phase_hook)
     train_recs, val_recs = split_traces(records, config.val_fraction, config.seed)
     if not train_recs:
         raise ValueError("no traces to train on (every trace was held back for validation)")
@@ -283,27 +205,10 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
     t_start = time.time()
     optimizer = make_sft_optimizer(student, config.lr, config.weight_decay)
     run = _DistillRun(out, student, tokenizer, optimizer, config, replica)
-    run.base = run.last_eval = base_evaluation
-    if resume_from is not None:  # load first: a failed load writes nothing
-        state = load_checkpoint(resume_from, student, optimizer)
-        run.completed, run.eval_pending = state["step"], state.get("eval_pending", False)
+    state = run.restore(resume_from, base_evaluation)
+    if state is not None:
         run.train_seconds = state.get("train_seconds", 0.0)
-        run.base = state.get("base") or base_evaluation
-        run.last_eval = state.get("last_eval") or run.base
-        if replica is not None:
-            refresh_replica(replica, student)
     run.open_logs(resumed=resume_from is not None)
-
-    def evaluate_into_row():
-        hook("eval", run.completed)
-        figures = evaluate_now()
-        with defer_interrupts():
-            run.last_eval, run.eval_pending = figures, False
-            if run.log is not None:  # rank 0
-                run.log.patch_last_row(eval_cells(figures, DISTILL_EVAL_COLUMNS))
-                plot_grpo_metrics(out / "metrics.csv", DISTILL_PLOT_COLUMNS,
-                                  save_as=out / "metrics.png")
-        run.tracker.log_eval(eval_cells(figures, DISTILL_EVAL_COLUMNS), run.completed)
 
     def on_update(k, stats):
         hook("update", k)
@@ -322,72 +227,39 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
     def after_update(k):
         stop_if_interrupted(interrupted)
         if run.eval_pending:
-            evaluate_into_row()
+            run.evaluate_step(evaluate_now, hook)
             stop_if_interrupted(interrupted)
-        if any_rank(run.policy.due(k)):
+        if run.checkpoint_due():
             with defer_interrupts():
                 hook("checkpoint", k)
                 run.checkpoint()
         run.tick = time.time()  # evaluations and checkpoints are not training time
 
     # Several processes stop only where all of them check (`stop_if_interrupted`, and every
-    # STOP_CHECK_EVERY tokens of an evaluation's decoding: `stops`); one process stops at once
-    # (the stop signals raise StopSignal, Ctrl-C raises where it lands).
-    with record_interrupts(enabled=world > 1, signals=config.stop_signals) as interrupted:
-        stops = agreed_stop(interrupted)
-        try:
-            if run.base is None:
-                hook("base_eval", 0)
-                run.base = run.last_eval = evaluate_now()
-                run.tracker.log_eval(eval_cells(run.base, DISTILL_EVAL_COLUMNS), 0)
+    # STOP_CHECK_EVERY tokens of an evaluation's decoding: `stops`); a stop checkpoints
+    # (`RunDir.stoppable`).
+    with run.stoppable() as (interrupted, stops):
+        if run.base is None:
+            hook("base_eval", 0)
+            run.base = run.last_eval = evaluate_now()
+            run.log_eval(run.base)
+        stop_if_interrupted(interrupted)
+        if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
+            run.evaluate_step(evaluate_now, hook)
             stop_if_interrupted(interrupted)
-            if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
-                evaluate_into_row()
-                stop_if_interrupted(interrupted)
-            run.tick = time.time()
-            train_sft(student, tokenizer, train_docs, steps=config.steps,
-                      batch_size=config.batch_size, lr=config.lr, warmup=config.warmup,
-                      weight_decay=config.weight_decay, grad_clip=config.grad_clip,
-                      min_lr_ratio=config.min_lr_ratio, seed=config.seed,
-                      # FSDP: one forward per update (a shared-prefix cache would keep
-                      # gathered weights alive past FSDP's reshard)
-                      share_prefix=replica is None,
-                      progress=config.progress, optimizer=optimizer, start_step=run.completed,
-                      on_update=on_update, after_update=after_update)
-            hook("final_eval", run.completed)
-            final = evaluate_now()
-            stop_if_interrupted(interrupted)
-            with defer_interrupts():
-                hook("final_save", run.completed)
-                run.last_eval = final
-                run.tracker.log_eval(eval_cells(final, DISTILL_EVAL_COLUMNS), run.completed)
-                if run.log is not None:
-                    run.log.patch_last_row(eval_cells(final, DISTILL_EVAL_COLUMNS))
-                run.checkpoint("final")
-                summary = _summary(run, final, len(train_recs), len(val_recs), len(eval_set),
-                                   time.time() - t_start)
-                run_on_main(_write_summary, out, summary)
-                run.tracker.close()
-            # the replicas must have made identical updates (checked once the files are safe)
-            check_replicas_agree(policy)
-        except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal (SIGTERM, ...)
-            with defer_interrupts():
-                path = run.checkpoint()
-                run_on_main(mark_stopped, out, exit_status(stop))
-            run.tracker.close()
-            if is_main():
-                tqdm.write(f"{stop_reason(stop)}: {path} holds {run.completed} update(s); "
-                           f"continue with --resume {out}")
-            barrier()  # no process exits (and makes torchrun stop the others) before the save
-            raise
-    barrier()  # every file is written when any process returns
+        run.tick = time.time()
+        train_sft(student, tokenizer, train_docs, steps=config.steps,
+                  batch_size=config.batch_size, lr=config.lr, warmup=config.warmup,
+                  weight_decay=config.weight_decay, grad_clip=config.grad_clip,
+                  min_lr_ratio=config.min_lr_ratio, seed=config.seed,
+                  # FSDP: one forward per update (a shared-prefix cache would keep
+                  # gathered weights alive past FSDP's reshard)
+                  share_prefix=replica is None,
+                  progress=config.progress, optimizer=optimizer, start_step=run.completed,
+                  on_update=on_update, after_update=after_update)
+        _, summary = run.finish(evaluate_now, interrupted, hook, lambda final: _summary(
+            run, final, len(train_recs), len(val_recs), len(eval_set), time.time() - t_start))
     return summary
-
-
-def _write_summary(out, summary):
-    """summary.json and metrics.png (rank 0)."""
-    atomic_write_json(out / "summary.json", summary)
-    plot_grpo_metrics(out / "metrics.csv", DISTILL_PLOT_COLUMNS, save_as=out / "metrics.png")
 
 
 def _summary(run, final, n_train, n_val, n_eval, wall_seconds):

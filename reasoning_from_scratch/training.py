@@ -41,37 +41,24 @@ import contextlib
 import copy
 import math
 import random
-import shutil
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, fields, replace
 
 import torch
 from tqdm import tqdm
 
 from .checkpoints import (
-    STOPPED_FILE,
-    CheckpointPolicy,
-    check_new_run_dir,
-    clear_run_dir,
-    load_checkpoint,
     load_weights_into,
-    prune_checkpoints,
-    save_checkpoint,
 )
 from .distributed import (
-    agreed_stop,
     all_gather_objects,
     all_ranks,
     all_reduce_grads,
     all_reduce_max,
     all_reduce_sum,
-    any_rank,
     barrier,
-    check_replicas_agree,
     gather_groups,
-    is_main,
     rank,
     run_on_main,
     shard,
@@ -79,7 +66,6 @@ from .distributed import (
     world_size,
 )
 from .evaluation import EVAL_FIGURES, evaluate_policy
-from .files import atomic_write_json
 from .fsdp import (
     dummy_backward,
     empty_replica,
@@ -87,7 +73,6 @@ from .fsdp import (
     is_sharded,
     local_tensor,
     refresh_replica,
-    save_sharded,
     shard_sizes,
     shard_with_replica,
 )
@@ -108,21 +93,17 @@ from .grpo import (
 from .interrupts import (
     DEFAULT_STOP_SIGNALS,
     defer_interrupts,
-    exit_status,
-    interrupt_exception,
     polling_stops,
-    record_interrupts,
-    stop_reason,
     stop_signal_names,
 )
-from .plotting import plot_grpo_metrics
 from .process import CREDIT_CONTROLS, VARIANTS, step_statistics
 from .process_supervision import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
-from .run_log import MetricsLog, append_samples, eval_cells, truncate_samples
+from .run_dir import RunDir, start_run, stop_if_interrupted
+from .run_log import append_samples, truncate_samples
 from .tokenizer import pad_id_of
-from .tracking import RunTracker, open_tracker, report_problem, report_targets
+from .tracking import report_problem, report_targets
 from .validation import (
     at_least,
     check_fields,
@@ -702,45 +683,19 @@ def _params_finite(model) -> bool:
 # The loop
 # ----------------------------------------------------------------------------------------------
 
-class _Run:
-    """The mutable state of a run that a checkpoint must capture, and its file writer.
+class _Run(RunDir):
+    """A GRPO run's directory (run_dir.py) with its step rows, samples.jsonl and the count of
+    consecutive non-finite steps."""
 
-    Every process of a data-parallel run keeps the state; only rank 0 (`main`) writes: logs,
-    samples, config.json and checkpoints (the weights are the same on every process).
-    """
-
-    def __init__(self, out, model, tokenizer, optimizer, config, replica=None):
-        self.out, self.model, self.tokenizer = out, model, tokenizer
-        self.replica = replica  # FSDP: the unsharded copy, current after every update
-        self.optimizer, self.config = optimizer, config
-        self.main = is_main()
-        self.completed = 0  # optimizer steps applied to the weights (skipped ones included)
-        self.eval_pending = False  # step `completed` is due an evaluation not yet run
-        self.base = self.last_eval = None
-        self.saved = None  # (completed, eval_pending) of the last checkpoint written
+    def __init__(self, out, model, tokenizer, optimizer, config, columns, replica=None):
+        super().__init__(out, model, tokenizer, optimizer, config, columns,
+                         plot_columns(config), replica=replica)
         self.bad_steps = 0  # consecutive steps with a non-finite loss or gradient
-        self.log = None  # rank 0's MetricsLog (`open_logs`)
-        self.tracker = RunTracker()  # rank 0's live reporting (`open_logs`); others: nothing
-        self.policy = CheckpointPolicy(config.checkpoint_every, config.checkpoint_minutes,
-                                       config.keep_checkpoints)
 
-    def open_logs(self, columns, resumed):
-        """Rank 0 opens metrics.csv and samples.jsonl (dropping rows after a resumed step) and,
-        for a new run, writes config.json; an error there stops every process."""
-        run_on_main(self._open_logs, columns, resumed)
-
-    def _open_logs(self, columns, resumed):
-        """`open_logs` on rank 0."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / STOPPED_FILE).unlink(missing_ok=True)  # running again
-        self.log = MetricsLog(self.out / "metrics.csv", columns,
-                              keep_upto=self.completed if resumed else None)
+    def _open_logs(self, resumed):
+        """`open_logs` on rank 0, samples.jsonl cut back to a resumed step as well."""
+        super()._open_logs(resumed)
         truncate_samples(self.out / "samples.jsonl", self.completed)
-        if not resumed:
-            atomic_write_json(self.out / "config.json",
-                              {**asdict(self.config), "world_size": world_size()})
-        self.tracker = open_tracker(self.config.report_to, self.out, asdict(self.config),
-                                    resume_step=self.completed if resumed else None)
 
     def log_step(self, row, samples):
         """Rank 0: a step's metrics row, and its completions every `sample_every` steps."""
@@ -753,53 +708,6 @@ class _Run:
             append_samples(self.out / "samples.jsonl", row["step"], samples)
         self.tracker.log_row(row)
         self.tracker.log_rollouts(row["step"], samples, with_text=sampled)
-
-    def log_eval(self, figures):
-        """Rank 0: an evaluation's figures into the last metrics row (the base model's, before
-        any row, to the trackers alone, at step 0)."""
-        if self.main:
-            if self.completed:
-                self.log.patch_last_row(eval_cells(figures))
-            self.tracker.log_eval(eval_cells(figures), self.completed)
-
-    def plot(self):
-        """Rank 0: metrics.png redrawn from metrics.csv (a run stopped early keeps its picture)."""
-        if self.main:
-            plot_grpo_metrics(self.out / "metrics.csv", plot_columns(self.config),
-                              save_as=self.out / "metrics.png")
-
-    def checkpoint(self, name=None):
-        """Save `checkpoint-<completed>` (or `name`), unless this exact state is saved already;
-        rank 0 writes it (and prunes the old ones, `CheckpointPolicy`), the other processes only
-        note it as saved, or raise rank 0's error (a full disk)."""
-        key = (name, self.completed, self.eval_pending)
-        path = self.out / (name or f"checkpoint-{self.completed}")
-        if key == self.saved:
-            return path
-        if self.replica is not None:  # every process writes its shards first (DCP)
-            tmp = run_on_main(fresh_dir, path.with_name(path.name + ".tmp"))
-            save_sharded(tmp, self.model, self.optimizer)
-            barrier()
-        run_on_main(self._save, path)
-        self.policy.saved()
-        self.saved = key
-        return path
-
-    def checkpoint_due(self):
-        """Whether the checkpoint policy asks for one now (the same answer on every process)."""
-        return any_rank(self.policy.due(self.completed))
-
-    def _save(self, path):
-        """`checkpoint` on rank 0."""
-        sharded = self.replica is not None  # weights from the replica, AdamW state in DCP
-        save_checkpoint(
-            path, self.replica if sharded else self.model, self.tokenizer,
-            None if sharded else self.optimizer, self.completed, self.config,
-            {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
-             "output_dir": str(self.out), "world_size": world_size()},
-            hf_weights=hf_export_due(path, self.config),
-        )
-        prune_checkpoints(self.out, self.policy.keep, self.completed)
 
 
 def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: GRPOConfig,
@@ -833,12 +741,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     if world > config.prompts_per_step:
         raise ValueError(f"{world} processes need at least as many prompts per step, got "
                          f"prompts_per_step={config.prompts_per_step}")
-    if not is_main():
-        config = replace(config, progress=False)  # rank 0 prints for everyone
-    out = Path(config.output_dir)
-    if resume_from is None:
-        run_on_main(prepare_new_run_dir, out, overwrite)
-    hook = phase_hook or (lambda phase, step: None)
+    config, out, hook = start_run(config, resume_from, overwrite, phase_hook)
     replica = sampler = None
     if config.fsdp:  # shard before the optimizer exists: AdamW then holds shards only
         model, replica = shard_with_replica(model, device, sampler_dtype(config, device))
@@ -862,18 +765,12 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     random.seed(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
                                   weight_decay=config.weight_decay)
-    run = _Run(out, model, tokenizer, optimizer, config, replica)
-    run.base = run.last_eval = base_evaluation
-    if resume_from is not None:  # load first: a failed load writes nothing
-        state = load_checkpoint(resume_from, model, optimizer)
-        run.completed, run.eval_pending = state["step"], state.get("eval_pending", False)
-        run.base = state.get("base") or base_evaluation
-        run.last_eval = state.get("last_eval") or run.base
+    run = _Run(out, model, tokenizer, optimizer, config, columns, replica)
+    if run.restore(resume_from, base_evaluation) is not None:
         run.saved = (None, run.completed, run.eval_pending)
-        for copy_ in (replica, sampler):
-            if copy_ is not None:
-                refresh_replica(copy_, model)
-    run.open_logs(columns, resumed=resume_from is not None)
+        if sampler is not None:
+            refresh_replica(sampler, model)
+    run.open_logs(resumed=resume_from is not None)
     ref_model = _reference_model(trained, tokenizer, out, config,
                                  resumed=resume_from is not None)
     fixed_shape = update_shape(config, tokenizer, train_examples, prompt_fn) \
@@ -889,95 +786,53 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                disable=not config.progress)
     # Several processes stop only where all of them check: between phases
     # (`stop_if_interrupted`) and, inside the rollout and evaluation phases, every
-    # STOP_CHECK_EVERY tokens of decoding (`stops`, distributed.AgreedStop). One process stops
-    # at once (record_interrupts then only makes the stop signals raise StopSignal, and Ctrl-C
-    # or any of them raises where it lands).
-    with record_interrupts(enabled=world > 1, signals=config.stop_signals) as interrupted:
-        stops = agreed_stop(interrupted)
-        try:
-            if run.base is None:
-                hook("base_eval", 0)
-                run.base = run.last_eval = evaluate_now()
-                run.log_eval(run.base)
-                _print(config, f"base model: held-out {_eval_line(run.base)} "
-                               f"({len(eval_set)} examples)")
-            if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
+    # STOP_CHECK_EVERY tokens of decoding (`stops`); a stop checkpoints (`RunDir.stoppable`).
+    with run.stoppable() as (interrupted, stops), contextlib.closing(bar):
+        if run.base is None:
+            hook("base_eval", 0)
+            run.base = run.last_eval = evaluate_now()
+            run.log_eval(run.base)
+            _print(config, f"base model: held-out {_eval_line(run.base)} "
+                           f"({len(eval_set)} examples)")
+        if run.eval_pending and run.completed < config.steps:  # interrupted mid-evaluation
+            stop_if_interrupted(interrupted)
+            _evaluate_step(run, evaluate_now, hook)
+        if compile_decoding(config.compile, device) and run.completed < config.steps:
+            with polling_stops(stops):
+                _warm_up_decoding(policy, tokenizer, train_examples, eval_set, config,
+                                  prompt_fn)
+        while run.completed < config.steps:
+            step = run.completed
+            # Stages 1-3: rollouts, rewards, advantages (grpo.collect_rollouts)
+            stop_if_interrupted(interrupted)
+            hook("rollouts", step + 1)
+            with polling_stops(stops):  # a stop in here abandons the step's rollouts
+                batch, cost = _rollouts(policy, tokenizer, train_examples, device, config,
+                                        reward_fn, advantage_fn, prompt_fn, step)
+            stop_if_interrupted(interrupted)
+            with defer_interrupts():  # the update, its row and its samples: all or nothing
+                # Stages 4-5: log-probs and the update (grpo.grpo_loss_on_batch)
+                row = _apply_update(model, optimizer, batch, config, ref_model,
+                                    reward_names, step, cost, hook,
+                                    replica if sampler is None else sampler, fixed_shape)
+                # Stage 6: log
+                _log_step(run, row, batch.samples)
+            _show_step(bar, run, row)
+            if run.bad_steps >= MAX_BAD_STEPS:
+                _stop_after_bad_steps(run)
+            if run.eval_pending:
                 stop_if_interrupted(interrupted)
                 _evaluate_step(run, evaluate_now, hook)
-            if compile_decoding(config.compile, device) and run.completed < config.steps:
-                with polling_stops(stops):
-                    _warm_up_decoding(policy, tokenizer, train_examples, eval_set, config,
-                                      prompt_fn)
-            while run.completed < config.steps:
-                step = run.completed
-                # Stages 1-3: rollouts, rewards, advantages (grpo.collect_rollouts)
-                stop_if_interrupted(interrupted)
-                hook("rollouts", step + 1)
-                with polling_stops(stops):  # a stop in here abandons the step's rollouts
-                    batch, cost = _rollouts(policy, tokenizer, train_examples, device, config,
-                                            reward_fn, advantage_fn, prompt_fn, step)
-                stop_if_interrupted(interrupted)
-                with defer_interrupts():  # the update, its row and its samples: all or nothing
-                    # Stages 4-5: log-probs and the update (grpo.grpo_loss_on_batch)
-                    row = _apply_update(model, optimizer, batch, config, ref_model,
-                                        reward_names, step, cost, hook,
-                                        replica if sampler is None else sampler, fixed_shape)
-                    # Stage 6: log
-                    _log_step(run, row, batch.samples)
-                _show_step(bar, run, row)
-                if run.bad_steps >= MAX_BAD_STEPS:
-                    _stop_after_bad_steps(run)
-                if run.eval_pending:
-                    stop_if_interrupted(interrupted)
-                    _evaluate_step(run, evaluate_now, hook)
-                if run.checkpoint_due():
-                    with defer_interrupts():
-                        hook("checkpoint", run.completed)
-                        run.checkpoint()
-            bar.close()
-            final, summary = _finish(run, evaluate_now, interrupted, hook, len(eval_set),
-                                     t_start)
-        except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal (SIGTERM, ...)
-            bar.close()
-            _save_interrupted(run, stop)
-            raise
-    barrier()  # every file is written when any process returns
+            if run.checkpoint_due():
+                with defer_interrupts():
+                    hook("checkpoint", run.completed)
+                    run.checkpoint()
+        bar.close()
+        final, summary = run.finish(evaluate_now, interrupted, hook, lambda final: _summary(
+            run, final, len(eval_set), time.time() - t_start))
     _print(config, f"held-out before: {_eval_line(run.base)}\nheld-out after:  "
                    f"{_eval_line(final)}\nwrote {out}")
     return summary
-
-
-def _finish(run, evaluate_now, interrupted, hook, eval_examples, t_start):
-    """The final evaluation, checkpoint and summary.json once every step is done; returns
-    (final figures, summary)."""
-    stop_if_interrupted(interrupted)
-    hook("final_eval", run.completed)
-    final = evaluate_now()
-    stop_if_interrupted(interrupted)
-    with defer_interrupts():
-        hook("final_save", run.completed)
-        run.last_eval = final
-        run.log_eval(final)
-        run.checkpoint("final")
-        summary = _summary(run, final, eval_examples, time.time() - t_start)
-        run_on_main(_write_summary, run.out, summary, plot_columns(run.config))
-        run.tracker.close()
-    # the replicas must have made identical updates (checked once the files are safe)
-    check_replicas_agree(run.model if run.replica is None else run.replica)
-    return final, summary
-
-
-def _save_interrupted(run, stop):
-    """Ctrl-C or a stop signal: checkpoint the completed updates and say how to continue (every
-    process)."""
-    with defer_interrupts():
-        path = run.checkpoint()
-        run_on_main(mark_stopped, run.out, exit_status(stop))
-    run.tracker.close()  # after the checkpoint: closing may take a moment
-    if run.main:  # printed even without progress output
-        tqdm.write(f"{stop_reason(stop)}: {path} holds {run.completed} update(s); continue "
-                   f"with --resume {run.out}")
-    barrier()  # no process exits (and makes torchrun stop the others) before the save
 
 
 def _warm_up_decoding(model, tokenizer, train_examples, eval_set, config, prompt_fn):
@@ -1035,54 +890,9 @@ def _show_step(bar, run, row):
     _print(run.config, _row_line(row))
 
 
-def hf_export_due(path, config) -> bool:
-    """Whether the checkpoint at `path` gets the whole weights in HF layout beside an FSDP run's
-    shards: final/ always, checkpoint-<k> when `config.export_hf_checkpoints`."""
-    return path.name == "final" or config.export_hf_checkpoints
-
-
-def mark_stopped(out, status):
-    """`out`/stopped holding the exit status of a stopped run (rank 0; see STOPPED_FILE)."""
-    (out / STOPPED_FILE).write_text(f"{status}\n")
-
-
-def fresh_dir(path):
-    """An empty directory at `path` (rank 0), for the shards of a checkpoint being written."""
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    return path
-
-
-def prepare_new_run_dir(out, overwrite):
-    """Refuse (or, with `overwrite`, clear) a directory that holds a run; rank 0 does this."""
-    if overwrite:
-        clear_run_dir(out)
-    check_new_run_dir(out)
-
-
-def _write_summary(out, summary, columns):
-    """summary.json and metrics.png of `columns` (rank 0)."""
-    atomic_write_json(out / "summary.json", summary)
-    plot_grpo_metrics(out / "metrics.csv", columns, save_as=out / "metrics.png")
-
-
-def stop_if_interrupted(interrupted):
-    """Raise KeyboardInterrupt (StopSignal for SIGTERM & co.) on every process if Ctrl-C or a
-    stop signal reached any of them: every process passes these points in the same order, so
-    they all stop at the same one."""
-    signum = int(all_reduce_max([interrupted.signum])[0])
-    if signum:
-        raise interrupt_exception(signum)
-
-
 def _evaluate_step(run, evaluate_now, hook):
-    """The evaluation due after step `run.completed`, written into that step's metrics row."""
-    hook("eval", run.completed)
-    figures = evaluate_now()
-    with defer_interrupts():
-        run.last_eval, run.eval_pending = figures, False
-        run.log_eval(figures)
-    run.plot()
+    """The evaluation due after step `run.completed` (`RunDir.evaluate_step`), printed."""
+    figures = run.evaluate_step(evaluate_now, hook)
     _print(run.config, f"step {run.completed}: EVAL {_eval_line(figures)}")
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reasoning_from_scratch import distributed, fsdp, training
+from reasoning_from_scratch import distributed, fsdp, run_dir, training
 from reasoning_from_scratch.cli import launch
 from reasoning_from_scratch.cli.distill import parse_distill_args
 from reasoning_from_scratch.cli.train import parse_train_args
@@ -244,7 +244,7 @@ def test_the_rank_check_comes_after_the_final_save(monkeypatch, tmp_path):
     """A failing check still leaves final/ and summary.json."""
     def diverged(model):
         raise RuntimeError("model weights differs between ranks")
-    monkeypatch.setattr(training, "check_replicas_agree", diverged)
+    monkeypatch.setattr(run_dir, "check_replicas_agree", diverged)
     config = training.GRPOConfig(**dict(zip(
         ["steps", "prompts_per_step", "num_rollouts", "max_new_tokens", "eval_examples"],
         [1, 2, 2, 8, 1])), eval_every=0, checkpoint_minutes=0, progress=False,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reasoning_from_scratch import checkpoints, files, training
+from reasoning_from_scratch import checkpoints, files, run_dir, training
 from reasoning_from_scratch.checkpoints import (
     CheckpointWriteError,
     checkpoint_problem,
@@ -115,7 +115,7 @@ def test_a_second_signal_while_saving_leaves_a_whole_checkpoint(tiny_dir, tmp_pa
         os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(training, "save_checkpoint", save_under_fire)
+    monkeypatch.setattr(run_dir, "save_checkpoint", save_under_fire)
     out = tmp_path / "run"
     with pytest.raises(StopSignal):
         _train(tiny_dir, _config(out, checkpoint_every=0), even_reward,
