@@ -14,16 +14,17 @@ What the GRPO loop (training.py) needs, and why each helper exists:
   gives back the original order (samples, evaluation records).
 - `all_reduce_sum` / `any_rank` / `all_gather_objects`: global loss normalisers (token and
   completion counts), interrupt agreement, and the step's rewards and samples for the metrics.
-- `all_reduce_grads`: after the local backward passes, each gradient summed over the ranks. The
-  per-rank losses are already divided by the *global* normalisers, so the sum is exactly the
-  gradient of the one-process loss on the whole batch (an average, as DistributedDataParallel
-  does, would be right only with equal shares).
+- `data_parallel`: the model seen through torch's DistributedDataParallel, whose backward sums
+  each bucket of gradients over the ranks while the rest of the backward still runs (overlap).
+  The per-rank losses are already divided by the *global* normalisers, so the sum (`_sum_hook`)
+  is exactly the gradient of the one-process loss on the whole batch (DDP's own average would
+  be right only with equal shares).
 - `run_on_main`: file writes happen on rank 0 alone; its errors reach every rank, so no rank
   waits forever in a collective that rank 0 never joins.
 
 Chapter 9's distillation (`sft.sft_step`) uses the same pieces: each process takes its `shard`
-of a batch of traces, divides its summed loss by the whole batch's completion tokens and sums
-the gradients with `all_reduce_grads`.
+of a batch of traces, divides its summed loss by the whole batch's completion tokens and runs
+its backward through `data_parallel`.
 
 - `AgreedStop`: a stop signal that reached any rank, agreed on inside a rollout or evaluation
   phase: the decode loops poll it every few tokens (interrupts.py's `polling_stops`), and every
@@ -41,12 +42,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .interrupts import InterruptFlag, interrupt_exception, settle_stop_polls
-
-# Gradients are summed in flat buckets of at most this many elements: one collective per bucket
-# instead of one per parameter (hundreds for Qwen3), without a second copy of a large model.
-GRAD_BUCKET_NUMEL = 1 << 24
 
 # How long a collective waits for the other processes before it fails the run (minutes). Work that
 # one process does while the others wait in the next collective must fit: rank 0's checkpoint and
@@ -260,37 +259,73 @@ def all_ranks(flag: bool) -> bool:
     return not any_rank(not flag)
 
 
-def _buckets(params: list, limit: int) -> list[list]:
-    """Consecutive parameters grouped into buckets of one dtype and at most `limit` elements."""
-    out, size = [], 0
-    for p in params:
-        if not out or size + p.numel() > limit or p.grad.dtype != out[-1][0].grad.dtype:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += p.numel()
-    return out
+def _sum_hook(state, bucket):
+    """DDP communication hook: a bucket of gradients summed over the ranks (DDP's default hook
+    divides by the world size first; our losses are already shares of the whole batch)."""
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def all_reduce_grads(params, bucket_numel: int = GRAD_BUCKET_NUMEL) -> None:
-    """Sum every gradient over the ranks, in place; a parameter no rank has a gradient for keeps
-    `grad is None` (AdamW then skips it, as it does in a one-process run)."""
-    params = [p for p in params if p.requires_grad]
-    if world_size() == 1 or not params:
-        return
-    settle_stop_polls()
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
-                       device=_comm_device())
-    dist.all_reduce(has, op=dist.ReduceOp.MAX)  # a rank without rows has no gradients at all
-    live = [p for p, h in zip(params, has.tolist()) if h]
-    for p in live:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    for bucket in _buckets(live, bucket_numel):
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # (sum of numels,)
-        dist.all_reduce(flat)
-        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
-            p.grad.copy_(g.view_as(p.grad))
+class _Methods(nn.Module):
+    """What DDP wraps: a forward that calls the model's forward method `method` by name, so the
+    loss code's passes (`forward`, and `forward_hidden` whose output meets `lm_head` in chunks)
+    all run through DDP's forward, which readies the gradient reduction of the next backward."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, method: str, *args, **kwargs):
+        return getattr(self.model, method)(*args, **kwargs)
+
+
+class Replicated:
+    """A replicated model seen through `DistributedDataParallel`: calling it, or its
+    `forward_hidden`, runs through DDP; every other attribute (`lm_head`, `cfg`, the blocks) is
+    the model's own. DDP registers hooks on the parameters: each bucket of gradients (reverse
+    parameter order, `bucket_cap_mb`) is summed over the ranks (`_sum_hook`) as soon as the
+    backward has produced it; `sync_next_backward(False)`: a backward that only accumulates
+    locally (all but the last micro-batch of a step). The model itself is not changed: its state
+    dict, checkpoints and optimizer see the plain parameters, and a deep copy of it (the KL
+    reference) comes without the view."""
+
+    def __init__(self, model: nn.Module):
+        self.module = model
+        self.group = dist.group.WORLD
+        # buffers (RoPE tables) are the same everywhere: no broadcast before each forward
+        self.ddp = DistributedDataParallel(_Methods(model), broadcast_buffers=False)
+        self.ddp.register_comm_hook(None, _sum_hook)
+
+    def __call__(self, *args, **kwargs):
+        return self.ddp("forward", *args, **kwargs)
+
+    def forward_hidden(self, *args, **kwargs):
+        return self.ddp("forward_hidden", *args, **kwargs)
+
+    def sync_next_backward(self, sync: bool) -> None:
+        """Whether the backward of the next forward sums the gradients over the ranks; False:
+        it only accumulates them locally (what DDP's `no_sync` context sets)."""
+        self.ddp.require_backward_grad_sync = sync
+
+    def __getattr__(self, name):  # only for names not found on the view itself
+        return getattr(self.__dict__["module"], name)
+
+    def __deepcopy__(self, memo):  # a copy of the model (the reference) is not wrapped
+        return None
+
+
+def data_parallel(model):
+    """`model` for the update's forward and backward passes: with several replicated processes
+    its `Replicated` DDP view (made once per model and process group; DDP's construction is a
+    collective, so every rank calls this at the same point), else `model` itself (one process).
+    Not for a sharded model: FSDP reduces its gradients itself."""
+    if world_size() == 1:
+        return model
+    settle_stop_polls()  # DDP's broadcast at construction and its backward are collectives
+    view = model.__dict__.get("_replicated")
+    if view is None or view.group is not dist.group.WORLD:
+        view = model.__dict__["_replicated"] = Replicated(model)  # not a submodule: no state
+    return view
 
 
 # Elements summed at a time by `params_checksum`: its float64 copy is this small, whatever the

@@ -331,9 +331,10 @@ def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len
         logp = logp.masked_scatter(mask, torch.cat(logp_parts))
         entropy = entropy.masked_scatter(mask, torch.cat(ent_parts))
     elif h.requires_grad:
-        # No answer token: h is (0, H) and its sum an exact 0 that still has a grad_fn, so a loss
-        # on these zeros can call .backward() (all gradients 0) instead of raising.
-        zero = h.sum().float() * 0
+        # No answer token: h is (0, H) and the sum of its (0, V) logits an exact 0 that still
+        # has a grad_fn through the head too, so a loss on these zeros can call .backward() (all
+        # gradients 0) and every parameter gets one (DDP reduces only once all of them have).
+        zero = head(h).sum().float() * 0
         logp, entropy = logp + zero, entropy + zero
     return logp, entropy
 

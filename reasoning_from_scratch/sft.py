@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .distributed import all_reduce_grads, all_reduce_sum, shard, world_size
+from .distributed import all_reduce_sum, data_parallel, shard, world_size
 from .fsdp import dummy_backward, is_sharded
 from .interrupts import defer_interrupts
 from .qwen3 import KVCache
@@ -160,9 +160,10 @@ def sft_step(model, optimizer, batch, pad_id: int, prefix: torch.Tensor, lr: flo
 
     Data-parallel (distributed.py): every process gets the whole batch and trains on its
     contiguous share (`distributed.shard`); its summed loss is divided by the *whole* batch's
-    completion tokens, so the gradients summed over the processes (`all_reduce_grads`, or FSDP's
-    reduce-scatter for a sharded model) are the one-process gradient of the mean loss. A
-    process without rows runs a zero-weighted pass (FSDP) or adds nothing (plain replicas).
+    completion tokens, so the gradients summed over the processes (by torch's DDP during the
+    backward, `distributed.data_parallel`, or FSDP's reduce-scatter for a sharded model) are the
+    one-process gradient of the mean loss. A process without rows runs a zero-weighted pass, so
+    the others' collectives find a partner.
     """
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -178,16 +179,15 @@ def sft_step(model, optimizer, batch, pad_id: int, prefix: torch.Tensor, lr: flo
         optimizer.step()
         return loss.item(), total
     mine, local = shard(batch), 0.0
+    net = model if sharded else data_parallel(model)  # replicas: the DDP view
     if mine:
         inputs, targets = collate(mine, pad_id, prefix.numel())
         inputs, targets = inputs.to(model.device), targets.to(model.device)
-        loss = completion_loss(model, prefix, inputs, targets, reduction="sum") / total
-        loss.backward()
+        loss = completion_loss(net, prefix, inputs, targets, reduction="sum") / total
+        loss.backward()  # FSDP or DDP: summed over the processes during the backward
         local = loss.item()
-    elif sharded:
-        dummy_backward(model)  # FSDP's collectives need a partner on every process
-    if not sharded:  # FSDP reduce-scattered the sums in the backward pass already
-        all_reduce_grads(model.parameters())
+    else:
+        dummy_backward(net)  # the collectives need a partner on every process
     # on DTensor shards the norm is the whole gradient's, so clipping the shards is exact
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()

@@ -21,10 +21,10 @@ process. A step's prompts are split between the processes, whole groups each; ev
 samples with its own generator, seeded by (seed, step, prompt index), so the rollouts do not
 depend on how many processes share the step. Each process scales its loss by the whole batch's
 normalisers (rollouts, or answer tokens for dapo / cispo; `global_totals`) and the gradients
-are summed over the processes (an explicit all-reduce after the micro-batches rather than
-DistributedDataParallel: the loop's micro-batching and its loss normalisation decide the
-scaling, and a process may hold no rows at all when its groups had no signal): the update is
-the one-process update, up to float summation order. Rewards, samples and evaluation answers
+are summed over the processes (torch's DistributedDataParallel with a summing hook, during
+the last micro-batch's backward; every process runs as many micro-batches as the busiest, a
+process without rows zero-weighted ones): the update is the one-process update, up to float
+summation order. Rewards, samples and evaluation answers
 are gathered, so metrics.csv, samples.jsonl and summary.json match a one-process run; its
 timing columns are rank 0's own clock. Rank 0 alone writes. Ctrl-C on any process is agreed on
 at the next phase boundary and stops every process there, with a checkpoint.
@@ -54,10 +54,10 @@ from .checkpoints import (
 from .distributed import (
     all_gather_objects,
     all_ranks,
-    all_reduce_grads,
     all_reduce_max,
     all_reduce_sum,
     barrier,
+    data_parallel,
     gather_groups,
     rank,
     run_on_main,
@@ -572,9 +572,10 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None, fi
 
     Data-parallel runs: `batch` is this process's share and `totals` (`global_totals`) the whole
     step's counts; every micro-batch's loss is scaled by its share of the *whole* batch
-    (`micro_batch_weight`) and the gradients are then summed over the processes
-    (`distributed.all_reduce_grads`), which is exactly the one-process gradient, whatever each
-    process's share and micro-batching. Every process then clips and steps identically.
+    (`micro_batch_weight`) and the gradients are summed over the processes, which is exactly
+    the one-process gradient, whatever each process's share and micro-batching: by FSDP, or for
+    replicas by torch's DDP (`distributed.data_parallel`) during the last pass's backward (the
+    earlier passes only accumulate). Every process then clips and steps identically.
     Skipped (weights and AdamW moments untouched) when the loss or the *clipped* gradient is
     not finite, on any process: the clipped gradient is what the optimizer would apply.
     """
@@ -584,13 +585,18 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None, fi
     per_sequence = config.loss_type in SEQUENCE_LOSS_TYPES  # their statistics count completions
     sums, finite_ = {"ratio_max": None}, True
     sharded = is_sharded(model)
+    replicated = not sharded and world_size() > 1
+    net = model if sharded else data_parallel(model)  # replicas: the DDP view
     starts = list(range(0, batch.size, mbs))
-    # FSDP: every process runs as many forward/backward passes as the busiest one (its
-    # collectives must pair up); the extra ones are zero-weighted (`dummy_backward`)
-    passes = int(all_reduce_max([len(starts)])[0]) if sharded else len(starts)
+    # FSDP and DDP: every process runs as many forward/backward passes as the busiest one (their
+    # collectives must pair up; DDP's only in the last one); the extra ones are zero-weighted
+    parallel = sharded or replicated
+    passes = int(all_reduce_max([len(starts)])[0]) if parallel else len(starts)
     for i in range(passes):
+        if replicated:  # gradients summed over the processes in the last backward only
+            net.sync_next_backward(i == passes - 1)
         if i >= len(starts):
-            dummy_backward(model)
+            dummy_backward(net)
             continue
         start = starts[i]
         mb = batch.slice(start, start + mbs)
@@ -601,7 +607,7 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None, fi
         sl = slice(start, start + mbs)
         with update_autocast(config, mb.input_ids.device):  # the backward runs outside it
             out = grpo_loss_on_batch(
-                model, mb,
+                net, mb,
                 old_logp=None if old_logp is None else old_logp[sl],
                 ref_logp=None if ref_logp is None else ref_logp[sl],
                 loss_type=config.loss_type, epsilon=config.epsilon,
@@ -615,11 +621,13 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None, fi
         loss = out.pop("loss")
         if not torch.isfinite(loss):
             finite_ = False
-            if not sharded:
+            if not parallel:
                 break
-            loss = loss * 0.0  # FSDP: the backward still runs everywhere; the update is skipped
+            loss = loss * 0.0  # FSDP/DDP: the backward still runs everywhere; no update
         if loss.requires_grad:  # a micro-batch without loss tokens (all masked) has no graph
             (loss * w).backward()
+        elif replicated:  # DDP's reduction needs every parameter's gradient
+            dummy_backward(net)
         if not finite_:
             continue
         sums["loss"] = sums.get("loss", 0.0) + loss.item() * w
@@ -635,8 +643,6 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None, fi
     sums = _reduce_loss_stats(sums)
     grad_norm = float("nan")
     if finite_:
-        if not sharded:  # FSDP reduce-scattered the sums in the backward passes already
-            all_reduce_grads(model.parameters())  # the whole batch's gradient everywhere
         # on DTensor shards the norm is the whole gradient's (FSDP: clipping the shards)
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                                      config.max_grad_norm)))

@@ -3,6 +3,7 @@
 that resumes exactly; and the pieces: per-prompt generators, sharded rollouts and advantages,
 dynamic sampling's cut, the interrupt hand-over."""
 
+import copy
 import importlib.util
 import json
 import os
@@ -407,6 +408,26 @@ def test_shards_cover_everything_once_in_order():
     assert distributed.gather_lists([1, 2]) == [1, 2] and distributed.all_reduce_sum([3]) == [3]
 
 
+class _Head(torch.nn.Module):
+    """The smallest model the DDP view serves: forward_hidden (identity) and an lm_head."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(2, 1)
+
+    def forward_hidden(self, x):
+        return x
+
+    def forward(self, x):
+        return self.lm_head(x)
+
+
+def test_one_process_trains_the_model_itself_without_ddp():
+    model = _Head()
+    assert distributed.world_size() == 1 and distributed.data_parallel(model) is model
+    assert "_replicated" not in model.__dict__
+
+
 def _fail_on_main():
     raise FileExistsError("runs/x already holds a run")
 
@@ -417,20 +438,26 @@ def _helpers_worker(rank_, init_file, out_dir):
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank_,
                                          world_size=2)
     try:
-        a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
-        if rank_ == 0:  # rank 0: gradients for `a`; rank 1: only a.weight's; nobody: `b`'s
-            a.weight.grad, a.bias.grad = torch.ones(2, 2), torch.ones(2)
-        else:
-            a.weight.grad = torch.full((2, 2), 2.0)
-        distributed.all_reduce_grads([*a.parameters(), *b.parameters()], bucket_numel=3)
+        torch.manual_seed(0)  # the same head on both ranks
+        model = _Head()
+        net = distributed.data_parallel(model)
+        if rank_ == 0:  # two micro-batches: the first accumulates only, the second sums
+            net.sync_next_backward(False)
+            net(torch.tensor([[1.0, 2.0]])).sum().backward()
+            net.sync_next_backward(True)
+            net(torch.tensor([[3.0, 4.0]])).sum().backward()
+        else:  # one, through forward_hidden and the head, as the GRPO loss runs it
+            net.lm_head(net.forward_hidden(torch.tensor([[5.0, 6.0]]))).sum().backward()
         groups, start = distributed.gather_groups(torch.full((rank_ + 1, 2), float(rank_)))
         try:
             distributed.run_on_main(_fail_on_main)
             error = None
         except FileExistsError as err:
             error = str(err)
-        torch.save({"a_weight": a.weight.grad, "a_bias": a.bias.grad,
-                    "b_none": b.weight.grad is None and b.bias.grad is None,
+        torch.save({"weight": model.lm_head.weight.grad, "bias": model.lm_head.bias.grad,
+                    "wrapped": isinstance(net, distributed.Replicated),
+                    "state": list(model.state_dict()),
+                    "copy_unwrapped": vars(copy.deepcopy(model)).get("_replicated") is None,
                     "groups": groups, "start": start, "error": error,
                     "any": distributed.any_rank(rank_ == 1),
                     "all": distributed.all_ranks(rank_ == 1),
@@ -446,9 +473,11 @@ def test_helpers_in_a_group_of_two_processes(tmp_path):
                                 nprocs=2)
     for r in (0, 1):
         got = torch.load(tmp_path / f"{r}.pt")
-        assert torch.equal(got["a_weight"], torch.full((2, 2), 3.0))  # summed
-        assert torch.equal(got["a_bias"], torch.ones(2))  # rank 1's missing gradient counts 0
-        assert got["b_none"]  # no rank had one: stays None, as AdamW expects
+        # d(sum of w.x + b)/dw = the rows' sum, summed (not averaged) over ranks: 1+3+5, 2+4+6
+        assert torch.equal(got["weight"], torch.tensor([[9.0, 12.0]]))
+        assert torch.equal(got["bias"], torch.tensor([3.0]))  # three rows
+        assert got["wrapped"] and got["state"] == ["lm_head.weight", "lm_head.bias"]
+        assert got["copy_unwrapped"]  # the KL reference, a deep copy, is a plain model
         assert torch.equal(got["groups"], torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]))
         assert got["start"] == r
         assert got["error"] == "runs/x already holds a run"  # rank 0's error, on both ranks

@@ -116,6 +116,7 @@ def test_transformers_loads_final(runs):
 
 # One update of the bundled model on a fixed batch of 8 rollouts in micro-batches of 3: rank 0
 # holds every row (3 passes), rank 1 none (3 zero-weighted passes); rank 0 saves the weights.
+# argv[3]: "fsdp" (sharded) or "replicas" (torch's DDP, `distributed.data_parallel`).
 UNEVEN_WORKER = r"""
 import sys
 from dataclasses import replace
@@ -126,13 +127,15 @@ sys.path.insert(0, sys.argv[2])
 from test_fsdp import fixed_batch
 distributed.init_distributed(torch.device("cpu"))
 model, batch, config = fixed_batch()
-fsdp.shard_model(model)
+sharded = sys.argv[3] == "fsdp"
+if sharded:
+    fsdp.shard_model(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
 mine = batch if dist.get_rank() == 0 else batch.rows(torch.zeros(batch.size, dtype=torch.bool))
 stats = training._update(model, optimizer, mine, None, None, config)
-state = fsdp.full_state(model)
+state = fsdp.full_state(model) if sharded else model.state_dict()
 if dist.get_rank() == 0:
-    save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[1])
+    save_file({k: v.clone() for k, v in state.items()}, sys.argv[1])  # tied: one copy each
     print("grad_norm", stats["grad_norm"])
 distributed.shutdown_distributed()  # meets the other process before Gloo's threads go
 """
@@ -151,23 +154,24 @@ def fixed_batch():
     return model, batch, config
 
 
-def launch_uneven(tmp_path):
+def launch_uneven(tmp_path, how="fsdp"):
     """UNEVEN_WORKER under `torchrun --nproc-per-node 2`; (finished process, weights file)."""
     script = tmp_path / "uneven.py"
     script.write_text(UNEVEN_WORKER)
     out = tmp_path / "weights.safetensors"
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "2", str(script), str(out),
-                          str(Path(__file__).parent)],
+                          str(Path(__file__).parent), how],
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     return res, out
 
 
-def test_a_process_without_rows_keeps_the_others_company(tmp_path):
-    """Uneven micro-batch counts (8 rows against none) meet in every collective, and the
-    update is the one-process update on the whole batch."""
-    res, out = launch_uneven(tmp_path)
+@pytest.mark.parametrize("how", ["fsdp", "replicas"])
+def test_a_process_without_rows_keeps_the_others_company(tmp_path, how):
+    """Uneven micro-batch counts (8 rows against none) meet in every collective, sharded or
+    replicated, and the update is the one-process update on the whole batch."""
+    res, out = launch_uneven(tmp_path, how)
     assert res.returncode == 0, res.stderr[-3000:]
     model, batch, config = fixed_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
@@ -261,7 +265,7 @@ distributed.init_distributed(torch.device("cpu"))
 fsdp.LOAD_GROUP_NUMEL = 50_000  # rank 0 reads and broadcasts the weights in many groups
 model = fsdp.load_model_sharded("tiny-arith", torch.device("cpu"))
 model, replica = fsdp.shard_with_replica(model, torch.device("cpu"))
-state = fsdp.full_state(model)
+state = fsdp.full_state(model) if sharded else model.state_dict()
 if dist.get_rank() == 0:
     save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[1] + ".model")
     save_file({k: v.clone() for k, v in replica.state_dict().items()}, sys.argv[1] + ".rep")
