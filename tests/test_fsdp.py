@@ -265,7 +265,7 @@ distributed.init_distributed(torch.device("cpu"))
 fsdp.LOAD_GROUP_NUMEL = 50_000  # rank 0 reads and broadcasts the weights in many groups
 model = fsdp.load_model_sharded("tiny-arith", torch.device("cpu"))
 model, replica = fsdp.shard_with_replica(model, torch.device("cpu"))
-state = fsdp.full_state(model) if sharded else model.state_dict()
+state = fsdp.full_state(model)
 if dist.get_rank() == 0:
     save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[1] + ".model")
     save_file({k: v.clone() for k, v in replica.state_dict().items()}, sys.argv[1] + ".rep")
