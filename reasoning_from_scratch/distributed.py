@@ -292,8 +292,9 @@ class Replicated:
     def __init__(self, model: nn.Module):
         self.module = model
         self.group = dist.group.WORLD
-        # buffers (RoPE tables) are the same everywhere: no broadcast before each forward
-        self.ddp = DistributedDataParallel(_Methods(model), broadcast_buffers=False)
+        # buffers (RoPE tables) are the same everywhere: synced once when DDP starts (as the
+        # weights are), not broadcast again before each forward
+        self.ddp = DistributedDataParallel(_Methods(model), forward_sync_buffers=False)
         self.ddp.register_comm_hook(None, _sum_hook)
 
     def __call__(self, *args, **kwargs):
