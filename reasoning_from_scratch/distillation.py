@@ -9,6 +9,9 @@ running RL on the small models themselves. This module is the data half of that 
   decoding loop per group of prompts, each prompt prefilled once), keeps the verified ones
   (`verify_trace`: a boxed answer equal to the reference, a finished completion, and optionally
   every arithmetic step right) and returns them as trace records;
+- with `partial_path`, each finished batch of samples is appended to a JSONL file with the
+  sampling generator's state after it, so sampling stopped by a signal (or killed) continues
+  after its last whole batch and ends with the records an uninterrupted call returns;
 - `write_traces` / `read_traces` store traces as JSONL, one record per line with the problem,
   the reference answer, the completion and the teacher and sampling settings; `read_traces` also
   reads traces produced elsewhere (say, another model's solutions to MATH problems), naming the
@@ -18,7 +21,10 @@ running RL on the small models themselves. This module is the data half of that 
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -30,6 +36,7 @@ from .evaluation import step_verdicts
 from .files import atomic_write_text
 from .generation import sample_rollouts_batch
 from .grading import extract_final_candidate, grade_answer
+from .interrupts import defer_interrupts
 from .prompts import render_prompt
 
 # Field names accepted for a trace's parts, first the project's own (others' files differ).
@@ -68,6 +75,7 @@ def generate_distillation_data(
     teacher_name: str | None = None,
     prompt_fn=render_prompt,
     progress: bool = True,
+    partial_path=None,
 ) -> tuple[list[dict], dict]:
     """Rejection sampling: (verified trace records, statistics) from `num_samples` teacher
     samples per example, at most `max_per_problem` distinct traces kept per problem.
@@ -75,6 +83,11 @@ def generate_distillation_data(
     A truncated completion (no EOS within `max_new_tokens`) is never kept, even if it holds a
     boxed answer: the student would learn to stop mid-sentence. Statistics: problems, samples,
     verified (samples that passed), kept, problems_covered, generated_tokens, seconds.
+
+    `partial_path`: a JSONL file that receives every finished batch (`SampledBatches`); a call
+    that finds one written with the same settings continues after its last whole batch, from the
+    generator state saved with it, so a stopped sampling loses at most one batch and ends with
+    the same records as one that was never stopped.
     """
     if num_samples < 1 or max_per_problem < 1 or prompts_per_batch < 1:
         raise ValueError("num_samples, max_per_problem and prompts_per_batch must be >= 1")
@@ -82,17 +95,24 @@ def generate_distillation_data(
     generator = torch.Generator(device=device).manual_seed(seed)
     settings = {"teacher": teacher_name, "temperature": temperature, "top_p": top_p,
                 "max_new_tokens": max_new_tokens, "seed": seed, "check_steps": check_steps}
-    records, verified, tokens = [], 0, 0
-    t0 = time.time()
+    done = SampledBatches(partial_path, {
+        **settings, "problems": len(examples), "problems_sha256": hashlib.sha256(
+            json.dumps([ex["problem"] for ex in examples]).encode()).hexdigest(),
+        "num_samples": num_samples,
+        "max_per_problem": max_per_problem, "prompts_per_batch": prompts_per_batch})
+    if done.generator_state is not None:
+        generator.set_state(done.generator_state)
     teacher.eval()
-    for start in tqdm(range(0, len(examples), prompts_per_batch), desc="teacher samples",
-                      disable=not progress):
+    starts = range(done.next_start, len(examples), prompts_per_batch)
+    for start in tqdm(starts, desc="teacher samples", disable=not progress):
+        t0 = time.time()
         batch = examples[start : start + prompts_per_batch]
         groups = sample_rollouts_batch(
             teacher, tokenizer, [prompt_fn(ex["problem"]) for ex in batch], num_samples, device,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
             generator=generator,
         )
+        records, verified, tokens = [], 0, 0
         for ex, group in zip(batch, groups):
             tokens += int(group.lengths.sum())
             kept = []
@@ -105,12 +125,80 @@ def generate_distillation_data(
                     records.append({"problem": ex["problem"], "answer": ex["answer"],
                                     "completion": text, "level": ex.get("level"),
                                     "sample": j, **settings})
+        done.add(start, records, verified, tokens, time.time() - t0, generator.get_state())
     stats = {
-        "problems": len(examples), "samples": len(examples) * num_samples, "verified": verified,
-        "kept": len(records), "problems_covered": len({r["problem"] for r in records}),
-        "generated_tokens": tokens, "seconds": time.time() - t0,
+        "problems": len(examples), "samples": len(examples) * num_samples,
+        "verified": done.verified, "kept": len(done.records),
+        "problems_covered": len({r["problem"] for r in done.records}),
+        "generated_tokens": done.tokens, "seconds": done.seconds,
     }
-    return records, stats
+    return done.records, stats
+
+
+class SampledBatches:
+    """The finished batches of one rejection-sampling call, kept in memory and, given a path,
+    appended to a JSONL file as they finish, so a stopped call can continue.
+
+    The file's first line holds the sampling settings (`header`); each further line one batch:
+    its first problem's index `start`, its kept records, its verified and generated-token
+    counts, its seconds, and the sampling generator's state after it (base64). A line is
+    appended whole (flushed and synced, a stop signal deferred until it is written); a process
+    killed mid-write leaves a torn last line, which is dropped when the file is read again.
+    """
+
+    def __init__(self, path, header: dict):
+        self.path = None if path is None else Path(path)
+        self.records, self.verified, self.tokens, self.seconds = [], 0, 0, 0.0
+        self.next_start, self.generator_state = 0, None
+        lines = self._read(header) if self.path is not None and self.path.is_file() else []
+        for batch in lines:
+            self._count(batch)
+        if lines:
+            self.next_start = lines[-1]["start"] + header["prompts_per_batch"]
+            self.generator_state = torch.tensor(
+                bytearray(base64.b64decode(lines[-1]["generator"])), dtype=torch.uint8)
+        if self.path is not None:  # rewritten without a torn line, so appends stay whole
+            atomic_write_text(self.path, "".join(json.dumps(x, ensure_ascii=False) + "\n"
+                                                 for x in [{"header": header}, *lines]))
+
+    def _read(self, header) -> list[dict]:
+        """The batch lines of an existing file; ValueError if its settings differ or a line
+        other than the last is malformed."""
+        text = self.path.read_text(encoding="utf-8").splitlines()
+        rows = []
+        for lineno, line in enumerate(text, 1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if lineno == len(text):
+                    break  # torn by a kill during its write: that batch is sampled again
+                raise ValueError(f"{self.path}, line {lineno}: not JSON; remove the file to "
+                                 "sample from the start") from None
+        saved = rows[0].get("header") if rows and isinstance(rows[0], dict) else None
+        if saved != header:
+            raise ValueError(f"{self.path} was written with other sampling settings "
+                             f"({saved} vs {header}); remove it to sample from the start")
+        return rows[1:]
+
+    def _count(self, batch):
+        """Add one batch's records and counts to the totals."""
+        self.records += batch["records"]
+        self.verified += batch["verified"]
+        self.tokens += batch["tokens"]
+        self.seconds += batch["seconds"]
+
+    def add(self, start, records, verified, tokens, seconds, generator_state):
+        """One finished batch: into the totals and, with a path, appended to the file."""
+        batch = {"start": start, "records": records, "verified": verified, "tokens": tokens,
+                 "seconds": seconds}
+        self._count(batch)
+        if self.path is None:
+            return
+        batch["generator"] = base64.b64encode(generator_state.numpy().tobytes()).decode()
+        with defer_interrupts(), open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(batch, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def filter_traces(records, check_steps: bool = False) -> list[dict]:

@@ -50,6 +50,7 @@ from .interrupts import (
     defer_interrupts,
     exit_status,
     interrupt_exception,
+    polling_stops,
     record_interrupts,
     stop_reason,
 )
@@ -124,8 +125,7 @@ class RunDir:
         self.log = MetricsLog(self.out / "metrics.csv", self.columns,
                               keep_upto=self.completed if resumed else None)
         if not resumed:
-            atomic_write_json(self.out / "config.json",
-                              {**asdict(self.config), "world_size": world_size()})
+            write_run_config(self.out, self.config)
         self.tracker = open_tracker(self.config.report_to, self.out, asdict(self.config),
                                     resume_step=self.completed if resumed else None)
 
@@ -266,6 +266,26 @@ def hf_export_due(path, config) -> bool:
     """Whether the checkpoint at `path` gets the whole weights in HF layout beside an FSDP run's
     shards: final/ always, checkpoint-<k> when `config.export_hf_checkpoints`."""
     return path.name == "final" or config.export_hf_checkpoints
+
+
+@contextlib.contextmanager
+def stoppable_before_run(stop_signals: str):
+    """Work a run does before it has anything to checkpoint (chapter 9's teacher: evaluated by
+    every process, then sampled by rank 0), stoppable as the run's own phases are. One process:
+    the stop signals raise StopSignal where they land. Several: each records them, the decode
+    loops agree every STOP_CHECK_EVERY tokens (`distributed.AgreedStop`; a process waiting for
+    rank 0's work answers its polls), so every process raises at the same poll; a signal
+    recorded outside a decode loop raises at the end of the block, on every process."""
+    with record_interrupts(enabled=world_size() > 1, signals=stop_signals) as interrupted:
+        with polling_stops(agreed_stop(interrupted)):
+            yield
+        stop_if_interrupted(interrupted)
+
+
+def write_run_config(out, config):
+    """`out`/config.json: the run's settings and process count (rank 0). A directory holding it
+    and no checkpoint is resumed by starting over in place with these settings."""
+    atomic_write_json(Path(out) / "config.json", {**asdict(config), "world_size": world_size()})
 
 
 def mark_stopped(out, status):

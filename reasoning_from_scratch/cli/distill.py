@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -49,7 +50,15 @@ from ..distributed import (
 from ..evaluation import evaluate_policy
 from ..files import atomic_write_json, read_json
 from ..fsdp import check_fsdp_run, load_for_run
-from ..interrupts import exit_status
+from ..interrupts import (
+    EXIT_INTERRUPTED,
+    EXIT_STOPPED,
+    StopSignal,
+    defer_interrupts,
+    exit_status,
+    stop_reason,
+)
+from ..run_dir import mark_stopped, stoppable_before_run, write_run_config
 from ..training import GRPOConfig
 from ..validation import arg_type, positive_int
 from ..weights import load_pretrained
@@ -65,6 +74,8 @@ from .train import (
 
 TEACHER_RUN_DIR = "runs/ch07-teacher"
 TRACES_FILE = "traces.jsonl"
+# The teacher's finished sampling batches while it samples (distillation.SampledBatches)
+PARTIAL_TRACES_FILE = "traces.partial.jsonl"
 # Help and range of every DistillConfig field live in its metadata (distillation_training.py)
 DISTILL_HELP = {f.name: f.metadata["help"] for f in fields(DistillConfig)}
 
@@ -217,7 +228,8 @@ def _resolve(parser, args, argv):
 
 
 def _traces(data, out, teacher, tokenizer, train, config):
-    """The run's trace records: reused from out/traces.jsonl, read from --traces, or sampled."""
+    """The run's trace records: reused from out/traces.jsonl, read from --traces, or sampled
+    (continuing a sampling that was stopped: out/traces.partial.jsonl)."""
     path = out / TRACES_FILE
     if path.is_file():  # a resumed run, or a rerun that only got this far
         return read_traces(path), data.get("generation")
@@ -232,12 +244,18 @@ def _traces(data, out, teacher, tokenizer, train, config):
             max_per_problem=data["max_per_problem"], temperature=data["teacher_temperature"],
             top_p=data["teacher_top_p"], max_new_tokens=data["max_new_tokens"],
             prompts_per_batch=data["prompts_per_batch"], check_steps=data["check_steps"],
-            seed=config.seed, teacher_name=data["teacher_source"], progress=config.progress)
-    if not records:
-        raise SystemExit("error: no verified traces to train on (try more --num-samples or "
-                         "--no-check-steps)")
+            seed=config.seed, teacher_name=data["teacher_source"], progress=config.progress,
+            partial_path=out / PARTIAL_TRACES_FILE)
+    if not records:  # an Exception, so run_on_main hands it to every process
+        raise NoTracesError("no verified traces to train on (try more --num-samples or "
+                            "--no-check-steps)")
     write_traces(records, path)
+    (out / PARTIAL_TRACES_FILE).unlink(missing_ok=True)
     return records, stats
+
+
+class NoTracesError(RuntimeError):
+    """The teacher (or --traces) gave no verified trace: nothing to train the student on."""
 
 
 @dataclass
@@ -280,6 +298,66 @@ def run_distillation(run: DistillRun) -> dict:
     return run_in_process_group(_distill, run, "ch09_distill.py")
 
 
+def _teacher_phase(run: DistillRun, data, out, device, train, held_out):
+    """The teacher's part of the run, before the student's run has state: (teacher or None,
+    trace records, trace statistics). Fills data's teacher_source, teacher_accuracy and
+    generation as they become known and writes out/data.json and out/traces.jsonl."""
+    config = run.config
+    teacher_source = data.get("teacher_source") or data["teacher"]
+    needs_teacher = not data["traces"] or data["teacher"]
+    if needs_teacher and teacher_source is None:
+        if world_size() > 1:  # chapter7_teacher runs a whole (one-process) training
+            raise SystemExit(f"error: no --teacher given; train the chapter 7 teacher first "
+                             f"(torchrun ... chapters/ch07_train.py --output-dir "
+                             f"{data['teacher_run_dir']}) or pass --teacher")
+        teacher_source = str(_chapter7_teacher_or_stop(data["teacher_run_dir"], run))
+    data["teacher_source"] = teacher_source
+    teacher = tokenizer = None
+    if teacher_source is not None and (data.get("teacher_accuracy") is None
+                                       or not (out / TRACES_FILE).is_file()):
+        teacher, tokenizer = load_pretrained(teacher_source, device=device,
+                                             dtype=getattr(torch, run.dtype))
+        if data.get("teacher_accuracy") is None:  # every process evaluates its share
+            data["teacher_accuracy"] = evaluate_policy(
+                teacher, tokenizer, held_out, device, config.eval_max_new_tokens,
+                config.eval_batch_size)["accuracy"]
+            if is_main():
+                print(f"teacher {teacher_source}: held-out accuracy "
+                      f"{data['teacher_accuracy']:.3f}")
+    data.setdefault("teacher_accuracy", None)
+    records, stats = run_on_main(_traces, data, out, teacher, tokenizer, train, config)
+    data["generation"] = stats
+    run_on_main(atomic_write_json, out / "data.json", data)
+    return teacher, records, stats
+
+
+def _chapter7_teacher_or_stop(run_dir, run: DistillRun) -> Path:
+    """`chapter7_teacher`; a stop of its training (its checkpoint saved, exit 75 / 130) becomes
+    this run's stop, so this run's directory is marked stopped too."""
+    try:
+        return chapter7_teacher(run_dir, run.threads, run.device)
+    except SystemExit as end:
+        if end.code in (EXIT_STOPPED, EXIT_INTERRUPTED):
+            raise (StopSignal(signal.SIGTERM) if end.code == EXIT_STOPPED
+                   else KeyboardInterrupt()) from None
+        raise
+
+
+def _save_stopped_teacher(out, data, config, stop):
+    """Rank 0, after a stop before the student's run began: config.json and data.json (what a
+    `--resume` of this directory starts over from; the teacher's accuracy and finished sampling
+    batches are kept) and the `stopped` file, then how to continue."""
+    with defer_interrupts():
+        out.mkdir(parents=True, exist_ok=True)
+        write_run_config(out, config)
+        atomic_write_json(out / "data.json", data)
+        mark_stopped(out, exit_status(stop))
+    kept = "" if not (out / PARTIAL_TRACES_FILE).is_file() else \
+        f"; its finished teacher samples are in {out / PARTIAL_TRACES_FILE}"
+    print(f"{stop_reason(stop)} before the student's training{kept}; continue with "
+          f"--resume {out}")
+
+
 def _distill(run: DistillRun, device) -> dict:
     """`run_distillation` once the process group (if any) is joined."""
     config, data, ckpt = run.config, run.data, run.checkpoint
@@ -288,32 +366,17 @@ def _distill(run: DistillRun, device) -> dict:
     dtype = getattr(torch, run.dtype)
     train, held_out = load_grpo_data(data["dataset"], data["train_examples"], data["eval_split"],
                                      config.eval_examples, data["train_level_weights"])
-    teacher_source = data.get("teacher_source") or data["teacher"]
-    needs_teacher = not data["traces"] or data["teacher"]
-    if needs_teacher and teacher_source is None:
-        if world_size() > 1:  # chapter7_teacher runs a whole (one-process) training
-            raise SystemExit(f"error: no --teacher given; train the chapter 7 teacher first "
-                             f"(torchrun ... chapters/ch07_train.py --output-dir "
-                             f"{data['teacher_run_dir']}) or pass --teacher")
-        teacher_source = str(chapter7_teacher(data["teacher_run_dir"], run.threads,
-                                              run.device))
-    data["teacher_source"] = teacher_source
-    teacher_accuracy = data.get("teacher_accuracy")
-    teacher = tokenizer = None
-    if teacher_source is not None and (teacher_accuracy is None
-                                       or not (out / TRACES_FILE).is_file()):
-        teacher, tokenizer = load_pretrained(teacher_source, device=device, dtype=dtype)
-        if teacher_accuracy is None:  # every process evaluates its share of the problems
-            teacher_accuracy = evaluate_policy(
-                teacher, tokenizer, held_out, device, config.eval_max_new_tokens,
-                config.eval_batch_size)["accuracy"]
-            if is_main():
-                print(f"teacher {teacher_source}: held-out accuracy {teacher_accuracy:.3f}")
     run_on_main(out.mkdir, parents=True, exist_ok=True)
-    records, stats = run_on_main(_traces, data, out, teacher, tokenizer, train, config)
-    data.update(teacher_accuracy=teacher_accuracy, generation=stats)
-    run_on_main(atomic_write_json, out / "data.json", data)
+    try:
+        with stoppable_before_run(config.stop_signals):
+            teacher, records, stats = _teacher_phase(run, data, out, device, train, held_out)
+    except KeyboardInterrupt as stop:  # nothing to checkpoint: the settings, traces so far
+        run_on_main(_save_stopped_teacher, out, data, config, stop)
+        raise SystemExit(exit_status(stop)) from None
+    except NoTracesError as err:
+        raise SystemExit(f"error: {err}") from None
     del teacher
+    teacher_accuracy = data["teacher_accuracy"]
     student, student_tok = load_for_run(ckpt or data["student"], device, dtype,
                                         sharded=config.fsdp)  # FSDP: a sharded start
     if is_main():
@@ -331,7 +394,7 @@ def _distill(run: DistillRun, device) -> dict:
     summary = {"student_base_accuracy": summary["base_accuracy"],
                "student_final_accuracy": summary["final_accuracy"],
                "teacher_accuracy": teacher_accuracy, "wall_seconds": time.time() - t0,
-               "sft_wall_seconds": summary["wall_seconds"], "teacher": teacher_source,
+               "sft_wall_seconds": summary["wall_seconds"], "teacher": data["teacher_source"],
                "student": data["student"], "traces": stats, "config": asdict(config),
                **{k: v for k, v in summary.items() if k != "wall_seconds"}}
     run_on_main(atomic_write_json, out / "summary.json", summary)
