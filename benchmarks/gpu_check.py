@@ -170,7 +170,7 @@ def random_model(cfg: Qwen3Config, device, dtype: torch.dtype) -> Qwen3Model:
     a 1.7B model on the host first would cost the lease many seconds)."""
     with torch.device(device):
         model = Qwen3Model(cfg)
-    return model.to(dtype).eval()
+    return model.to(device=device, dtype=dtype).eval()  # anything made on the host moves too
 
 
 def decode_shapes(args) -> list[tuple[str, Qwen3Config, int]]:
@@ -187,7 +187,7 @@ def hf_model(model: Qwen3Model):
     from transformers import Qwen3ForCausalLM
 
     with torch.device(model.device):  # initialised where it runs, as `random_model`
-        hf = Qwen3ForCausalLM(HFConfig(**model.cfg.to_hf_dict())).to(model.dtype)
+        hf = Qwen3ForCausalLM(HFConfig(**model.cfg.to_hf_dict())).to(model.device, model.dtype)
     hf.load_state_dict(model.state_dict(), strict=False)
     return hf.eval()
 

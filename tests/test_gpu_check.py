@@ -8,6 +8,8 @@ import os
 import runpy
 import subprocess
 import sys
+import time
+import warnings
 from argparse import Namespace
 from pathlib import Path
 
@@ -167,3 +169,25 @@ def test_gpu_check_cpu_path_writes_every_figure(gpu_check, tmp_path):
     assert set(start["peaks"]) == {"before", "sharded"} and start["params"] == 834_816
     assert all(len(p) == 1 and p[0] >= 0 for p in start["peaks"].values())  # one process
     assert res["default_run"]["wall_s"] > 0 and res["default_run"]["final_accuracy"] is not None
+
+
+def test_a_part_over_its_limit_a_failing_part_and_a_compile_fallback_are_recorded(gpu_check):
+    args = gpu_check["parse_args"](["--device", "cpu"])
+    results = gpu_check["new_results"](args)
+
+    def slow():
+        time.sleep(5)
+
+    def broken():
+        raise ValueError("no such shape")
+
+    def falls_back():
+        warnings.warn("torch.compile of the decode step failed (X); decoding eagerly",
+                      RuntimeWarning, stacklevel=2)
+
+    for name, fn in (("slow", slow), ("broken", broken), ("falls back", falls_back)):
+        gpu_check["run_part"](name, fn, (), 0.2, results, "cpu")
+    assert results["timed_out"] == ["slow"] and results["part_s"]["slow"] < 4
+    assert results["errors"] == {"broken": "ValueError: no such shape"}
+    assert results["compile_failures"] == {
+        "falls back": ["torch.compile of the decode step failed (X); decoding eagerly"]}
