@@ -24,6 +24,10 @@ bytes per parameter. The replica dtype: float32 (the CPU's compute dtype) or bfl
 
     python benchmarks/bench_fsdp.py --startup                      # 0.6B shape, 2 processes
     python benchmarks/bench_fsdp.py --startup --startup-model tiny # the bundled model (seconds)
+
+`--startup-device cuda` starts on GPUs instead (NCCL, one GPU per process): the peak is then
+`torch.cuda.max_memory_allocated` above what the process had allocated before the start
+(benchmarks/gpu_check.py runs it with one process).
 """
 
 import argparse
@@ -82,30 +86,43 @@ def _max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def start_old(model_dir, dtype):
+def _peak_bytes(device) -> int:
+    """The process's peak memory so far on `device`: allocated CUDA memory, or on the CPU the
+    peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _max_rss_bytes()
+
+
+def start_old(model_dir, dtype, device="cpu"):
     """How an FSDP run started before: the whole fp32 model on every process, deep-copied and
     cast for the replica, then sharded."""
-    model = load_pretrained(model_dir, device="cpu")[0]
+    model = load_pretrained(model_dir, device=device)[0]
     replica = copy.deepcopy(model).eval().requires_grad_(False).to(dtype)
     fsdp.shard_model(model)
     return model, replica
 
 
-def start_sharded(model_dir, dtype):
+def start_sharded(model_dir, dtype, device="cpu"):
     """The sharded start: `load_model_sharded`, then the replica from the shards."""
-    model = fsdp.load_model_sharded(model_dir, torch.device("cpu"))
-    return fsdp.shard_with_replica(model, torch.device("cpu"), dtype)
+    device = torch.device(device)
+    model = fsdp.load_model_sharded(model_dir, device)
+    return fsdp.shard_with_replica(model, device, dtype)
 
 
 STARTS = {"before": start_old, "sharded": start_sharded}
 
 
-def startup_worker(mode, model_dir, dtype_name):
+def startup_worker(mode, model_dir, dtype_name, device_type="cpu"):
     """One torchrun process of `--startup`: start, then print its peak above the baseline."""
-    distributed.init_distributed(torch.device("cpu"))
-    base = _max_rss_bytes()
-    model, replica = STARTS[mode](model_dir, getattr(torch, dtype_name))
-    peak = _max_rss_bytes() - base
+    device = distributed.init_distributed(torch.device(device_type))  # CUDA: GPU LOCAL_RANK
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        base = _max_rss_bytes()
+    model, replica = STARTS[mode](model_dir, getattr(torch, dtype_name), device)
+    peak = _peak_bytes(device) - base
     print("STARTUP " + json.dumps({"rank": distributed.rank(), "peak_bytes": peak}), flush=True)
     distributed.shutdown_distributed()
 
@@ -123,15 +140,16 @@ def random_model_dir(out, shape):
     return out, count_parameters(QWEN3_0_6B_CONFIG)
 
 
-def measure_startup(shape, processes, dtype_name):
-    """{mode: [peak bytes of each rank]} for both starts, one torchrun each."""
+def measure_startup(shape, processes, dtype_name, device_type="cpu"):
+    """{mode: [peak bytes of each rank]} for both starts, one torchrun each (`device_type`
+    cuda: one GPU per process, NCCL; cpu: Gloo)."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, n = random_model_dir(Path(tmp) / "model", shape)
         peaks = {}
         for mode in STARTS:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node", str(processes), __file__, "--startup-worker", mode,
-                   str(model_dir), dtype_name]
+                   str(model_dir), dtype_name, device_type]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             if res.returncode:
@@ -139,8 +157,9 @@ def measure_startup(shape, processes, dtype_name):
             # the processes print at once: their lines may run into each other
             rows = [json.loads(m) for m in re.findall(r"STARTUP (\{[^}]*\})", res.stdout)]
             peaks[mode] = [r["peak_bytes"] for r in sorted(rows, key=lambda r: r["rank"])]
+    backend = "NCCL" if device_type == "cuda" else "Gloo"
     print(f"start-up peak per process above baseline, {shape} shape ({n / 1e9:.2f} B "
-          f"parameters), {processes} Gloo processes, replica {dtype_name}")
+          f"parameters), {processes} {backend} processes, replica {dtype_name}")
     for mode, per_rank in peaks.items():
         cells = ", ".join(f"rank {r}: {b / 1e9:.2f} GB ({b / n:.1f} B/param)"
                           for r, b in enumerate(per_rank))
@@ -153,7 +172,7 @@ def measure_startup(shape, processes, dtype_name):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--startup-worker"]:  # one process of measure_startup
-        return startup_worker(*argv[1:4])
+        return startup_worker(*argv[1:5])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=positive_int, default=5)
     p.add_argument("--processes", type=positive_int, default=2)
@@ -169,9 +188,13 @@ def main(argv=None):
     p.add_argument("--replica-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="--startup: the rollout replica's dtype (float32 on the CPU, "
                         "bfloat16 on CUDA)")
+    p.add_argument("--startup-device", choices=("cpu", "cuda"), default="cpu",
+                   help="--startup: CPU processes (Gloo; peak RSS) or one GPU per process "
+                        "(NCCL; peak allocated CUDA memory)")
     args = p.parse_args(argv)
     if args.startup:
-        return measure_startup(args.startup_model, args.processes, args.replica_dtype)
+        return measure_startup(args.startup_model, args.processes, args.replica_dtype,
+                               args.startup_device)
     flags = ["--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
              "--num-rollouts", str(args.num_rollouts), "--max-new-tokens",
              str(args.max_new_tokens), "--eval-examples", str(args.eval_examples),

@@ -1,38 +1,87 @@
-"""GPU check: decode speed, GRPO step figures and the bundled default run, in one script.
+"""GPU check: the training path's GRPO step, decode, data-parallel and the default run, in one.
 
-Everything on random weights of the published shapes (nothing is downloaded), bfloat16 on CUDA:
+The one prepared script for a short GPU lease (one H200, minutes of device time in all):
+everything on random weights of the published shapes (nothing is downloaded). Its parts, in
+the order they run (`--budget-s`, below):
 
-- decode: tokens/s of `generate` eager (`ours_eager`), `generate(compile=True)` (`ours_fast`:
-  the static, compiled decode step, CUDA graphs) and transformers' `generate` with its static
-  cache (`hf_static`, the same weights loaded into `Qwen3ForCausalLM`), greedy, EOS disabled,
-  `--prompt-len` prompt tokens and `--new-tokens` new tokens, for Qwen3-0.6B at 128 and 512 rows
-  and Qwen3-1.7B at 128 rows; the compile time apart; host syncs per decoded token of the
-  compiled loop (`torch.cuda.set_sync_debug_mode`, CUDA only).
-- grpo: one timed GRPO step (after a warm-up step) at 16 prompts x G=8 x 256 and x 512 new
-  tokens, with and without a reference model (beta 0.04): step seconds, rollout / update split,
-  update MFU (6 x params x trained tokens, plus 2 x params x tokens for the reference, over the
-  update time and `--peak-tflops`) and peak GPU memory.
-- default_run: `python chapters/ch07_train.py` with its defaults (the bundled tiny-arith model):
-  wall time and final held-out accuracy.
+1. grpo, at `--prompts` x G = `--num-rollouts` x the first of `--grpo-tokens` new tokens
+   (16 x 8 x 256) on a random Qwen3-0.6B: steps of the training loop itself, each the two
+   calls of a `train_grpo` step (`training._rollouts`, then `training._apply_update` with the
+   sampler refresh), with the sampler copy and the compiled update's shape that `train_grpo`
+   builds (`training.sampling_replica`, `training.update_shape`), in three setups:
+   `cuda-default`, what a CUDA run gets from the default flags: float32 master weights,
+   gradients and AdamW state, rollouts sampled from a bfloat16 copy (`--sampler-dtype auto`),
+   the update's forward passes under bfloat16 autocast (`--autocast auto`), the update's
+   decoder blocks compiled at one padded shape (`--compile-update`: `grpo.FixedShape`,
+   `grpo.compiled_block`) and the decode step compiled; `eager-update`, the same with
+   `--no-compile-update`; `bf16-weights`, the setup measured before: the whole model in
+   bfloat16 (`--dtype bfloat16`) sampling itself, no autocast, the update eager. Every group
+   enters the update (`skip_zero_advantage` off; the reward, the fraction of even token ids,
+   has signal on a random model), so every step trains on the same number of rows. A warm-up
+   step (compiles, allocator, AdamW state), then `--grpo-steps` timed steps.
+2. decode at Qwen3-0.6B x 128 rows: tokens/s of `generate` eager (`ours_eager`),
+   `generate(compile=True)` (`ours_fast`: the static compiled decode step, CUDA graphs) and
+   transformers' `generate` with its static cache (`hf_static`, the same weights), greedy, EOS
+   disabled, `--prompt-len` prompt and `--new-tokens` new tokens; the compile time apart; host
+   syncs per decoded token of the compiled loop (`torch.cuda.set_sync_debug_mode`).
+3. data_parallel (docs/data_parallel.md): two steps of `python chapters/ch07_train.py
+   --fsdp` (a process group of one: NCCL on CUDA, Gloo on the CPU) beside the same two steps
+   without `--fsdp`, on the bundled model (`--dp-args`; decoding eager on both: compiling is
+   measured above), their wall times and the largest difference of their per-step loss and
+   reward; then the start-up peak memory of a sharded start (`fsdp.load_model_sharded` +
+   `fsdp.shard_with_replica`, bfloat16 replica) of a random Qwen3-0.6B against the former
+   start (a plain load + deep copy), one process (`bench_fsdp.measure_startup`).
+4. the rest: decode at Qwen3-0.6B x 512 rows and Qwen3-1.7B x 128 rows; the `cuda-default`
+   GRPO step at the other `--grpo-tokens` (512) and with a reference model (beta 0.04).
+5. default_run: `python chapters/ch07_train.py` with its defaults (the bundled tiny-arith
+   model): wall time and final held-out accuracy.
 
-Every part (each shape, each step configuration) runs under its own time limit
-(`--limit-s`), so one slow part cannot use up a short GPU lease; a part over its limit is
-recorded as timed out and the next one starts. The figures go to `--out`
-(docs/gpu_results.json by default): device, torch, decode_tok_s.{ours_eager, ours_fast,
-hf_static} (each {shape: tokens/s}), grpo_step_s, update_mfu, peak_gib (each {configuration:
-value}), plus compile_s, host_syncs_per_token, default_run and timed_out.
+Why this order: the GRPO step of today's CUDA path (and what its bfloat16 sampler, autocast
+and compiled update buy against the former setup) is the figure docs/speed.md owes first;
+decoding is most of a step, and the one shape against transformers says where it stands;
+the data-parallel part is the first run of the NCCL path at all; the rest widens shapes
+already measured, and the default run's tiny model is measured on the CPU already.
 
-`--device cpu` runs the same parts on a tiny model with small shapes (seconds; what CI runs).
-Without CUDA and without `--device cpu` it says that it needs CUDA and exits 0.
+**Budget.** The parts run in that order while `--budget-s` lasts (counted from the first part's
+start; importing torch and starting CUDA come before it): each under its own time limit,
+`--limit-s` or what is left of the budget if less; a part that would start with less than
+`MIN_PART_S` left is skipped and recorded as such. A part over its limit is recorded as timed
+out (with the figures it had already measured) and the next one starts; a part that fails is
+recorded with its error. The default, 540 s, leaves room for the machine's start within about
+10 minutes of device time; compiles count inside the parts.
+
+**Results** go to `--out` (docs/gpu_results.json by default on CUDA), written again after every
+part, so a lease that ends mid-run leaves what was measured:
+- device, torch, dtype (of the decode part), compile, budget_s;
+- grpo: {label ("16x8x256 cuda-default", "... +ref"): {setup, step_s, rollout_s, update_s
+  (means of the timed steps), rollout_tok_s (generated tokens per rollout second),
+  warmup_step_s (the first step, compiles included), tokens (generated per step),
+  trained_tokens (attended positions of the update's rows), loss, grad_norm, update_mfu (6 x
+  params x trained tokens, plus 2 x params x tokens for the reference, over the update time and
+  `--peak-tflops`; padding not counted; CUDA only), peak_gib (peak allocated GPU memory during
+  the timed steps; CUDA only), settings (the GRPOConfig fields that make the setup)}};
+- decode_tok_s.{ours_eager, ours_fast, hf_static} (each {shape: tokens/s}), compile_s,
+  host_syncs_per_token (CUDA only);
+- data_parallel: two_steps {plain, fsdp: {wall_s, steps}, max_diff: {loss, reward_mean},
+  flags}; startup {peaks: {before, sharded: [bytes]}, params, ratio (sharded / before),
+  shape, replica_dtype};
+- default_run {wall_s, final_accuracy, base_accuracy, args};
+- part_s {part: seconds}, skipped, timed_out, errors {part: message}, compile_failures {part:
+  [the package's warnings that torch.compile failed and the code ran eagerly]}.
+
+`--device cpu` runs every part on a tiny model with small shapes, compiling only the decode
+part's `ours_fast` (about a minute on a busy 2-core machine; what the tests run). Without CUDA
+and without `--device cpu` it says that it needs CUDA and exits 0.
 
     python benchmarks/gpu_check.py                          # on a CUDA machine, ~10 minutes
-    python benchmarks/gpu_check.py --parts decode --limit-s 120
+    python benchmarks/gpu_check.py --parts grpo --grpo-setups cuda-default --limit-s 200
     python benchmarks/gpu_check.py --device cpu --out /tmp/gpu_results.json
 """
 
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import signal
 import subprocess
@@ -40,30 +89,56 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from bench_fsdp import measure_startup
 from bench_generation import sync, timed
 from bench_grpo_step import PROBLEMS, NoEosTokenizer, even_fraction
 
 from reasoning_from_scratch.cli.arguments import add_seed_argument
 from reasoning_from_scratch.files import atomic_write_json
 from reasoning_from_scratch.generation import generate
-from reasoning_from_scratch.grpo import batch_logprobs, collect_rollouts, grpo_loss_on_batch
+from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, Qwen3Config, Qwen3Model, tiny_config
 from reasoning_from_scratch.rewards import CompositeReward, RewardTerm
-from reasoning_from_scratch.training import micro_batch_weight
+from reasoning_from_scratch.run_log import read_metrics
+from reasoning_from_scratch.training import (
+    GRPOConfig,
+    _apply_update,
+    _rollouts,
+    compiles_update,
+    sampler_dtype,
+    sampling_replica,
+    update_shape,
+)
 from reasoning_from_scratch.validation import choice_list, positive_float, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
-PARTS = ("decode", "grpo", "default_run")
+PARTS = ("grpo", "decode", "data_parallel", "default_run")
 # Qwen3-1.7B's published hyper-parameters (huggingface.co/Qwen/Qwen3-1.7B, config.json).
 QWEN3_1_7B_CONFIG = Qwen3Config(
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
     num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
     max_position_embeddings=40960, tie_word_embeddings=True, torch_dtype="bfloat16")
 TINY = tiny_config(vocab_size=512)
+# The GRPO setups: the weights' dtype and the GRPOConfig fields that make each. cuda-default's
+# sampler and autocast dtypes are what "auto" picks on CUDA (training.sampler_dtype,
+# training.autocast_dtype), written out so that the CPU run takes the same code path.
+GRPO_SETUPS = {
+    "cuda-default": {"dtype": "float32", "sampler_dtype": "bfloat16", "autocast": "bfloat16",
+                     "compile_update": True},
+    "eager-update": {"dtype": "float32", "sampler_dtype": "bfloat16", "autocast": "bfloat16",
+                     "compile_update": False},
+    "bf16-weights": {"dtype": "bfloat16", "sampler_dtype": "bfloat16", "autocast": "off",
+                     "compile_update": False},
+}
+REF_BETA = 0.04  # the KL weight of the GRPO step with a reference model
+MIN_PART_S = 5.0  # a part that would start with less of the budget left is skipped
+COMPARED = ("loss", "reward_mean")  # the metrics the fsdp and plain two-step runs compare
 
 
 class PartTimeout(BaseException):
@@ -86,8 +161,20 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+# ----------------------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------------------
+
+def random_model(cfg: Qwen3Config, device, dtype: torch.dtype) -> Qwen3Model:
+    """A randomly initialised Qwen3Model in `dtype`, made on `device` directly (initialising
+    a 1.7B model on the host first would cost the lease many seconds)."""
+    with torch.device(device):
+        model = Qwen3Model(cfg)
+    return model.to(device=device, dtype=dtype).eval()  # anything made on the host moves too
+
+
 def decode_shapes(args) -> list[tuple[str, Qwen3Config, int]]:
-    """(label, config, rows) of the decode measurements."""
+    """(label, config, rows) of the decode measurements, the first one the most wanted."""
     if args.device == "cpu":
         return [("tiny x4", TINY, 4)]
     return [("0.6B x128", QWEN3_0_6B_CONFIG, 128), ("0.6B x512", QWEN3_0_6B_CONFIG, 512),
@@ -99,7 +186,8 @@ def hf_model(model: Qwen3Model):
     from transformers import Qwen3Config as HFConfig
     from transformers import Qwen3ForCausalLM
 
-    hf = Qwen3ForCausalLM(HFConfig(**model.cfg.to_hf_dict())).to(model.device, model.dtype)
+    with torch.device(model.device):  # initialised where it runs, as `random_model`
+        hf = Qwen3ForCausalLM(HFConfig(**model.cfg.to_hf_dict())).to(model.device, model.dtype)
     hf.load_state_dict(model.state_dict(), strict=False)
     return hf.eval()
 
@@ -116,11 +204,11 @@ def count_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def decode_part(label, cfg, rows, args, dtype, results):
+def decode_part(label, cfg, rows, args, results):
     """Tokens/s of ours eager, ours compiled and transformers' static cache at one shape."""
     dev = torch.device(args.device)
     torch.manual_seed(args.seed)
-    model = Qwen3Model(cfg).to(device=dev, dtype=dtype).eval()
+    model = random_model(cfg, dev, decode_dtype(dev))
     ids = torch.randint(1, cfg.vocab_size, (rows, args.prompt_len), device=dev)
     n = rows * args.new_tokens
 
@@ -145,139 +233,284 @@ def decode_part(label, cfg, rows, args, dtype, results):
     tps["hf_static"][label] = n / timed(theirs, dev)
 
 
-def grpo_step(model, optimizer, tokenizer, examples, reward, generator, args, device,
-              ref=None, beta=0.0, compile=False) -> dict:
-    """One GRPO step (rollouts, then a micro-batched update); returns its figures."""
-    device = torch.device(device)
-    sync(device)
+def decode_dtype(device) -> torch.dtype:
+    """The decode part's weights: bfloat16 on CUDA (as the rollouts' sampler), else float32."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# grpo: steps of the training loop
+# ----------------------------------------------------------------------------------------------
+
+def grpo_config(setup: str, new_tokens: int, args, beta: float = 0.0) -> GRPOConfig:
+    """The GRPOConfig of one setup (`GRPO_SETUPS`) at `new_tokens` tokens per rollout; with
+    --no-compile nothing is compiled (the CPU's default)."""
+    s = GRPO_SETUPS[setup]
+    return GRPOConfig(
+        prompts_per_step=args.prompts, num_rollouts=args.num_rollouts,
+        max_new_tokens=new_tokens, micro_batch_size=args.micro_batch_size, lr=1e-6,
+        warmup_steps=0, beta=beta, skip_zero_advantage=False, sampler_dtype=s["sampler_dtype"],
+        autocast=s["autocast"], compile=args.compile,
+        compile_update=args.compile and s["compile_update"], seed=args.seed, progress=False)
+
+
+def build_step_run(model_cfg: Qwen3Config, setup: str, config: GRPOConfig, device):
+    """What `train_grpo` builds before its first step, for a random model: the trained model
+    in the setup's dtype, its sampling copy, the frozen reference (beta > 0; kept in memory,
+    where a run also writes it to disk), AdamW, and the compiled update's shape. Returns a
+    namespace that `training_step` takes."""
+    torch.manual_seed(config.seed)
+    model = random_model(model_cfg, device, getattr(torch, GRPO_SETUPS[setup]["dtype"]))
+    tokenizer = NoEosTokenizer(model_cfg.vocab_size)
+    return SimpleNamespace(
+        model=model, config=config, device=device, tokenizer=tokenizer,
+        sampler=sampling_replica(model, device, sampler_dtype(config, device)),
+        ref=copy.deepcopy(model).eval().requires_grad_(False) if config.beta else None,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                    weight_decay=config.weight_decay),
+        reward=CompositeReward([RewardTerm("even", even_fraction)]),
+        fixed_shape=update_shape(config, tokenizer, PROBLEMS, render_prompt)
+        if compiles_update(config, device) else None)
+
+
+def training_step(run, step: int) -> dict:
+    """Step `step` of `train_grpo`'s loop on `run` (`build_step_run`): the rollouts, rewards and
+    advantages (`training._rollouts`, from the sampler), then the update with the sampler's
+    refresh (`training._apply_update`); no logging, evaluation or checkpoint. Returns the
+    seconds of each phase (the device synchronised) and the step's figures."""
+    dev = torch.device(run.device)
+    policy = run.model if run.sampler is None else run.sampler
+    sync(dev)
     t0 = time.perf_counter()
-    batch = collect_rollouts(model, tokenizer, examples, device, reward, args.num_rollouts,
-                             args.max_new_tokens, temperature=1.0, top_p=1.0,
-                             generator=generator, compile=compile)
-    sync(device)
+    batch, cost = _rollouts(policy, run.tokenizer, PROBLEMS, run.device, run.config,
+                            run.reward, None, render_prompt, step)
+    sync(dev)
     t1 = time.perf_counter()
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    mbs = args.micro_batch_size or batch.size
-    loss = 0.0
-    for start in range(0, batch.size, mbs):  # gradients accumulate over the micro-batches
-        mb = batch.slice(start, start + mbs)
-        ref_logp = None
-        if ref is not None:
-            with torch.no_grad():
-                ref_logp = batch_logprobs(ref, mb, with_entropy=False)[0]
-        out = grpo_loss_on_batch(model, mb, ref_logp=ref_logp, loss_type="grpo", beta=beta,
-                                 max_completion_length=args.max_new_tokens)
-        weight = micro_batch_weight(mb, batch, "grpo")
-        (out["loss"] * weight).backward()
-        loss += out["loss"].item() * weight
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-    optimizer.step()
-    model.eval()
-    sync(device)
+    row = _apply_update(run.model, run.optimizer, batch, run.config, run.ref, run.reward.names,
+                        step, cost, lambda phase, step: None, run.sampler, run.fixed_shape)
+    sync(dev)
     t2 = time.perf_counter()
-    return {"rollout_s": t1 - t0, "update_s": t2 - t1, "step_s": t2 - t0, "loss": loss,
-            "grad_norm": grad_norm, "tokens": batch.num_generated_tokens, "rows": batch.size,
-            "trained_tokens": int(batch.attention_mask.sum())}
+    mask = batch.attention_mask  # None: no padding anywhere
+    return {"rollout_s": t1 - t0, "update_s": t2 - t1, "step_s": t2 - t0, "loss": row["loss"],
+            "grad_norm": row["grad_norm"], "tokens": batch.num_generated_tokens,
+            "rows": batch.size,
+            "trained_tokens": batch.input_ids.numel() if mask is None else int(mask.sum())}
 
 
-def grpo_part(new_tokens, with_ref, args, dtype, results):
-    """A warm-up step, then one timed GRPO step at one configuration."""
-    dev = args.device
-    label = f"{args.prompts}x{args.num_rollouts}x{new_tokens}" + (" +ref" if with_ref else "")
-    torch.manual_seed(args.seed)
-    cfg = TINY if dev == "cpu" else QWEN3_0_6B_CONFIG
-    model = Qwen3Model(cfg).to(device=dev, dtype=dtype).eval()
-    ref = copy.deepcopy(model).requires_grad_(False) if with_ref else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    reward = CompositeReward([RewardTerm("even", even_fraction)])
-    examples = [PROBLEMS[i % len(PROBLEMS)] for i in range(args.prompts)]
-    step_args = argparse.Namespace(num_rollouts=args.num_rollouts, max_new_tokens=new_tokens,
-                                   micro_batch_size=args.micro_batch_size)
-    gen = torch.Generator(device=dev).manual_seed(args.seed)
-    run = dict(model=model, optimizer=optimizer, tokenizer=NoEosTokenizer(cfg.vocab_size),
-               examples=examples, reward=reward, generator=gen, args=step_args, device=dev,
-               ref=ref, beta=0.04 if with_ref else 0.0, compile=args.compile)
-    grpo_step(**run)  # warm-up: compiles, allocator and AdamW state
-    if torch.device(dev).type == "cuda":
+def mean_of(steps: list[dict]) -> dict:
+    """The mean of each figure over the timed steps."""
+    return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+
+
+def grpo_label(setup, new_tokens, with_ref, args) -> str:
+    """"16x8x256 cuda-default" (prompts x G x new tokens, the setup; " +ref" with a reference)."""
+    return f"{args.prompts}x{args.num_rollouts}x{new_tokens} {setup}" + \
+        (" +ref" if with_ref else "")
+
+
+def grpo_part(setup, new_tokens, with_ref, args, results):
+    """A warm-up step, then `--grpo-steps` timed steps of one setup; figures into results."""
+    dev = torch.device(args.device)
+    label = grpo_label(setup, new_tokens, with_ref, args)
+    config = grpo_config(setup, new_tokens, args, REF_BETA if with_ref else 0.0)
+    run = build_step_run(TINY if dev.type == "cpu" else QWEN3_0_6B_CONFIG, setup, config, dev)
+    out = results["grpo"][label] = {  # filled as it goes: a time-out keeps what was measured
+        "setup": setup, "settings": {"dtype": GRPO_SETUPS[setup]["dtype"], **{
+            k: getattr(config, k) for k in ("sampler_dtype", "autocast", "compile",
+                                            "compile_update", "beta", "micro_batch_size")}}}
+    out["warmup_step_s"] = warmup_s = training_step(run, 0)["step_s"]  # compiles, AdamW state
+    if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    r = grpo_step(**run)
-    params = sum(p.numel() for p in model.parameters())
-    flops = (6 + (2 if with_ref else 0)) * params * r["trained_tokens"]
-    results["grpo_step_s"][label] = r["step_s"]
-    results["grpo_split_s"][label] = {"rollout": r["rollout_s"], "update": r["update_s"]}
-    if torch.device(dev).type == "cuda":
-        results["update_mfu"][label] = flops / r["update_s"] / (args.peak_tflops * 1e12)
-        results["peak_gib"][label] = torch.cuda.max_memory_allocated() / GIB
+    r = mean_of([training_step(run, k) for k in range(1, 1 + args.grpo_steps)])
+    out.update({k: r[k] for k in ("step_s", "rollout_s", "update_s", "tokens",
+                                  "trained_tokens", "loss", "grad_norm")})
+    out["rollout_tok_s"] = r["tokens"] / r["rollout_s"]
+    if dev.type == "cuda":
+        params = sum(p.numel() for p in run.model.parameters())
+        flops = (6 + (2 if with_ref else 0)) * params * r["trained_tokens"]
+        out["update_mfu"] = flops / r["update_s"] / (args.peak_tflops * 1e12)
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     print(f"grpo {label}: step {r['step_s']:.2f} s (rollouts {r['rollout_s']:.2f}, update "
-          f"{r['update_s']:.2f}), {r['tokens']} rollout tokens", flush=True)
-    del model, ref, optimizer
+          f"{r['update_s']:.2f}), {r['tokens']:.0f} rollout tokens, warm-up step "
+          f"{warmup_s:.1f} s", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# chapters/ch07_train.py runs: data-parallel and the default run
+# ----------------------------------------------------------------------------------------------
+
+def ch07_run(args, out: Path, flags: list[str]) -> float:
+    """`python chapters/ch07_train.py --device D --output-dir out *flags`; returns its wall
+    seconds (raises with its stderr if it fails)."""
+    cmd = [sys.executable, str(ROOT / "chapters" / "ch07_train.py"), "--device", args.device,
+           "--output-dir", str(out), *flags]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"ch07_train.py {' '.join(flags)} exited {proc.returncode}: "
+                           f"{proc.stderr[-500:]}")
+    return wall
+
+
+def max_metric_diff(a: list[dict], b: list[dict], keys=COMPARED) -> dict:
+    """The largest absolute difference of each metric between two runs' step rows."""
+    if len(a) != len(b):
+        raise ValueError(f"the runs logged {len(a)} and {len(b)} steps")
+    return {k: max(abs(x[k] - y[k]) for x, y in zip(a, b)) for k in keys}
+
+
+def dp_two_steps_part(args, results):
+    """The same short run with and without --fsdp (world size 1): wall times, metric diffs."""
+    flags = args.dp_args.split()
+    runs, rows = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode, extra in (("plain", []), ("fsdp", ["--fsdp"])):
+            out = Path(tmp) / mode
+            wall = ch07_run(args, out, [*flags, *extra])
+            rows[mode] = read_metrics(out / "metrics.csv")
+            runs[mode] = {"wall_s": wall, "steps": len(rows[mode])}
+    results["data_parallel"]["two_steps"] = {
+        **runs, "max_diff": max_metric_diff(rows["plain"], rows["fsdp"]), "flags": args.dp_args}
+
+
+def dp_startup_part(args, results):
+    """Start-up peak memory, sharded against the former start, in one process: a random
+    Qwen3-0.6B with CUDA's bfloat16 replica (on the CPU: the bundled model, float32)."""
+    cpu = args.device == "cpu"
+    shape, dtype = ("tiny", "float32") if cpu else ("0.6B", "bfloat16")
+    out = measure_startup(shape, 1, dtype, args.device)
+    results["data_parallel"]["startup"] = {**out, "shape": shape, "replica_dtype": dtype}
 
 
 def default_run_part(args, results):
     """`python chapters/ch07_train.py` (+ `--run-args`): wall time and final accuracy."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(ROOT / "chapters" / "ch07_train.py"), "--device",
-               args.device, "--output-dir", str(Path(tmp) / "run"), *args.run_args.split()]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                              timeout=args.limit_s)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            raise RuntimeError(f"ch07_train.py exited {proc.returncode}: {proc.stderr[-500:]}")
-        summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
+        out = Path(tmp) / "run"
+        wall = ch07_run(args, out, args.run_args.split())
+        summary = json.loads((out / "summary.json").read_text())
     results["default_run"] = {"wall_s": wall, "final_accuracy": summary.get("final_accuracy"),
                               "base_accuracy": summary.get("base_accuracy"),
                               "args": args.run_args}
 
 
-def run_parts(args) -> dict:
-    """Every part asked for, each under its time limit; returns the results dict."""
+# ----------------------------------------------------------------------------------------------
+# the plan, the budget and the runner
+# ----------------------------------------------------------------------------------------------
+
+def plan(args, results) -> list[tuple[str, Callable, tuple]]:
+    """(name, function, arguments) of every part asked for, in priority order (the module
+    docstring says why)."""
+    first, *more_tokens = args.grpo_tokens
+
+    def grpo(setup, n, with_ref):
+        return (f"grpo {grpo_label(setup, n, with_ref, args)}", grpo_part,
+                (setup, n, with_ref, args, results))
+
+    shapes = [(f"decode {label}", decode_part, (label, cfg, rows, args, results))
+              for label, cfg, rows in decode_shapes(args)]
+    wanted = {
+        "grpo": [grpo(setup, first, False) for setup in args.grpo_setups],
+        "decode": shapes[:1],
+        "data_parallel": [("data_parallel two_steps", dp_two_steps_part, (args, results)),
+                          ("data_parallel startup", dp_startup_part, (args, results))],
+        "decode more": shapes[1:],
+        "grpo more": [grpo("cuda-default", n, False) for n in more_tokens]
+        + [grpo("cuda-default", first, True)],
+        "default_run": [("default_run", default_run_part, (args, results))],
+    }
+    return [job for group, jobs in wanted.items() if group.split()[0] in args.parts
+            for job in jobs]
+
+
+def within_budget(jobs, budget_s: float, limit_s: float, skipped: list,
+                  clock=time.perf_counter):
+    """Yield (job, time limit) while the budget lasts, counted from the first job's start: the
+    limit is `limit_s` or what is left, if less; jobs that would start with less than
+    MIN_PART_S left go to `skipped` (their names)."""
+    start = clock()
+    for job in jobs:
+        left = budget_s - (clock() - start)
+        if left < MIN_PART_S:
+            skipped.append(job[0])
+            continue
+        yield job, min(limit_s, left)
+
+
+def new_results(args) -> dict:
+    """The results dict, every key present before any part runs."""
     dev = torch.device(args.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    results = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-               "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
-               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-               "decode_tok_s": {"ours_eager": {}, "ours_fast": {}, "hf_static": {}},
-               "compile_s": {}, "host_syncs_per_token": {}, "grpo_step_s": {},
-               "grpo_split_s": {}, "update_mfu": {}, "peak_gib": {}, "default_run": None,
-               "timed_out": [], "errors": {}}
-    jobs = []
-    if "decode" in args.parts:
-        jobs += [(f"decode {label}", decode_part, (label, cfg, rows, args, dtype, results))
-                 for label, cfg, rows in decode_shapes(args)]
-    if "grpo" in args.parts:
-        jobs += [(f"grpo {n}{' +ref' if ref else ''}", grpo_part, (n, ref, args, dtype, results))
-                 for n in args.grpo_tokens for ref in (False, True)]
-    if "default_run" in args.parts:
-        jobs.append(("default_run", default_run_part, (args, results)))
-    for name, fn, fn_args in jobs:
-        t0 = time.perf_counter()
+    return {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+            "torch": torch.__version__, "dtype": str(decode_dtype(dev)).removeprefix("torch."),
+            "compile": args.compile, "budget_s": args.budget_s, "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens, "grpo": {},
+            "decode_tok_s": {"ours_eager": {}, "ours_fast": {}, "hf_static": {}},
+            "compile_s": {}, "host_syncs_per_token": {},
+            "data_parallel": {"two_steps": None, "startup": None}, "default_run": None,
+            "part_s": {}, "skipped": [], "timed_out": [], "errors": {},
+            "compile_failures": {}}
+
+
+def run_part(name, fn, fn_args, limit_s, results, device):
+    """One part under its time limit; its time, a time-out, an error or a compile fallback
+    (the package warns and runs eagerly) go into results."""
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         try:
-            with time_limit(args.limit_s):
+            with time_limit(limit_s):
                 fn(*fn_args)
-        except (PartTimeout, subprocess.TimeoutExpired):
+        except PartTimeout:
             results["timed_out"].append(name)
         except Exception as e:  # one broken part (e.g. transformers missing) leaves the rest
             results["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
-        print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+    messages = [str(w.message) for w in caught]
+    failed = [m[:300] for m in messages if m.startswith("torch.compile of the")]  # fallbacks
+    if failed:
+        results["compile_failures"][name] = failed
+    for m in sorted(set(messages))[:5]:  # recording them kept them off stderr
+        print(f"{name}: warning: {m[:200]}", file=sys.stderr)
+    results["part_s"][name] = time.perf_counter() - t0
+    print(f"{name}: {results['part_s'][name]:.1f} s", flush=True)
+    gc.collect()  # the part's models (a time-out's traceback held them)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_parts(args, out: Path | None = None) -> dict:
+    """Every part asked for, in priority order, while the budget lasts; the results dict,
+    also written to `out` after every part (a lease that ends mid-run leaves the figures
+    measured so far)."""
+    results = new_results(args)
+    for (name, fn, fn_args), limit in within_budget(plan(args, results), args.budget_s,
+                                                    args.limit_s, results["skipped"]):
+        run_part(name, fn, fn_args, limit, results, args.device)
+        if out is not None:
+            atomic_write_json(out, results)
+    if out is not None:
+        atomic_write_json(out, results)  # the skipped parts too
     return results
 
 
-def main(argv=None) -> int:
-    """Parse the flags; without CUDA (and without --device cpu) say so, else run and write."""
+def parse_args(argv=None):
+    """The flags; the shape flags left None take their CUDA or CPU value."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda: the real shapes; cpu: a tiny model and small shapes (CI)")
     p.add_argument("--parts", type=choice_list(PARTS), default=list(PARTS),
-                   help="comma-separated parts: decode, grpo, default_run")
+                   help="comma-separated parts: " + ", ".join(PARTS))
     p.add_argument("--out", type=Path, default=None,
                    help="results JSON (None: docs/gpu_results.json on CUDA; nothing on cpu)")
-    p.add_argument("--limit-s", type=positive_float, default=150.0,
-                   help="time limit of each part (each decode shape, each GRPO configuration)")
+    p.add_argument("--budget-s", type=positive_float, default=540.0,
+                   help="seconds for all parts together: parts run in priority order while it "
+                        "lasts, the rest are recorded as skipped")
+    p.add_argument("--limit-s", type=positive_float, default=200.0,
+                   help="time limit of each part (each decode shape, each GRPO setup, each "
+                        "data-parallel measurement), compiles included")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step (rollouts) and, in the cuda-default GRPO "
+                        "setup, the update's blocks (None: on for cuda, off for cpu)")
     p.add_argument("--prompt-len", type=positive_int, default=None,
                    help="decode prompt tokens (None: 64; 8 on cpu)")
     p.add_argument("--new-tokens", type=positive_int, default=None,
@@ -287,36 +520,56 @@ def main(argv=None) -> int:
     p.add_argument("--num-rollouts", type=positive_int, default=None,
                    help="GRPO G (None: 8; 2 on cpu)")
     p.add_argument("--grpo-tokens", type=positive_int, nargs="+", default=None,
-                   help="GRPO new tokens per rollout, one configuration each (None: 256 512; "
-                        "4 on cpu)")
+                   help="GRPO new tokens per rollout: the first for every setup, the others "
+                        "for cuda-default, later (None: 256 512; 4 on cpu)")
+    p.add_argument("--grpo-setups", type=choice_list(GRPO_SETUPS), default=list(GRPO_SETUPS),
+                   help="comma-separated GRPO setups, in the order they run: "
+                        + ", ".join(GRPO_SETUPS))
+    p.add_argument("--grpo-steps", type=positive_int, default=None,
+                   help="timed GRPO steps per setup, after the warm-up step (None: 2; 1 on cpu)")
     p.add_argument("--micro-batch-size", type=positive_int, default=16,
                    help="rollouts per forward/backward in the update")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="GRPO rollouts with the compiled decode step")
     p.add_argument("--peak-tflops", type=positive_float, default=989.0,
                    help="the GPU's dense bf16 peak for MFU (989: H100/H200 SXM)")
+    p.add_argument("--dp-args", default=None,
+                   help="ch07_train.py flags of the two-step runs with and without --fsdp "
+                        "(None: 2 steps, 16 held-out examples, no compiling; smaller on cpu)")
     p.add_argument("--run-args", default=None,
                    help="extra ch07_train.py flags of the default run (None: none on CUDA; a "
                         "one-step run on cpu)")
     add_seed_argument(p, help="weights and sampling seed")
     args = p.parse_args(argv)
+    fill_defaults(args)
+    return args
+
+
+def fill_defaults(args) -> None:
+    """The flags left None: the CUDA shapes, or the CPU's small ones."""
     cpu = args.device == "cpu"
-    if not cpu and not torch.cuda.is_available():
+    dp = "--steps 2 --eval-every 0 --checkpoint-minutes 0 --no-compile --no-progress"
+    small = "--prompts-per-step 2 --num-rollouts 2 --max-new-tokens 4 --threads 1"
+    for name, gpu, tiny in (("prompt_len", 64, 8), ("new_tokens", 256, 8), ("prompts", 16, 2),
+                            ("num_rollouts", 8, 2), ("grpo_tokens", [256, 512], [4]),
+                            ("grpo_steps", 2, 1), ("compile", True, False),
+                            ("dp_args", f"{dp} --eval-examples 16",
+                             f"{dp} --eval-examples 2 {small}"),
+                            ("run_args", "", f"--steps 1 --eval-examples 2 {small}")):
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if cpu else gpu)
+
+
+def main(argv=None) -> int:
+    """Parse the flags; without CUDA (and without --device cpu) say so, else run and write."""
+    args = parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():
         print("gpu_check needs CUDA: torch.cuda.is_available() is False on this machine "
               f"(torch {torch.__version__}); nothing to check here (--device cpu runs the "
               "tiny version).")
         return 0
-    for name, gpu, small in (("prompt_len", 64, 8), ("new_tokens", 256, 8), ("prompts", 16, 2),
-                             ("num_rollouts", 8, 2), ("grpo_tokens", [256, 512], [4]),
-                             ("run_args", "", "--steps 1 --eval-examples 2 --prompts-per-step 2 "
-                              "--num-rollouts 2 --max-new-tokens 4 --threads 1")):
-        if getattr(args, name) is None:
-            setattr(args, name, small if cpu else gpu)
-    results = run_parts(args)
-    out = args.out or (None if cpu else ROOT / "docs" / "gpu_results.json")
+    out = args.out or (None if args.device == "cpu" else ROOT / "docs" / "gpu_results.json")
+    results = run_parts(args, out)
     print(json.dumps(results, indent=1))
     if out is not None:
-        atomic_write_json(out, results)
         print(f"written to {out}")
     return 0
 

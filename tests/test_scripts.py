@@ -1,7 +1,6 @@
 """The command-line scripts: every `--help` runs; the chapter 8 experiment (summary, table and
 figure from `experiments.process_vs_outcome`; the script end to end, tiny)."""
 
-import argparse
 import json
 import math
 import os
@@ -18,8 +17,6 @@ from reasoning_from_scratch.experiments.process_vs_outcome import (
     summarise,
     write_table,
 )
-from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
-from reasoning_from_scratch.rewards import CompositeReward, RewardTerm
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted([*ROOT.glob("chapters/*.py"), *ROOT.glob("benchmarks/*.py"),
@@ -232,15 +229,6 @@ def test_bench_generation_tiny_run():
             main(bad)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA it runs the real 0.6B check")
-def test_gpu_check_without_cuda_says_so_and_exits_0():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "gpu_check needs CUDA" in res.stdout
-
-
 def _script_main(path, name):
     """`main` of a script in chapters/ or benchmarks/ (not packages)."""
     return runpy.run_path(str(ROOT / path), run_name=name)["main"]
@@ -356,38 +344,6 @@ def test_bench_inference_scaling_tiny_run():
     finally:
         torch.set_num_threads(threads)
     assert out["loop_s"] > 0 and out["batched_s"] > 0
-
-
-def test_gpu_check_step_on_a_tiny_model(monkeypatch):
-    """The check's GRPO step itself, run on the CPU with a tiny model (the GPU is not needed)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports bench_grpo_step
-    script = runpy.run_path(str(ROOT / "benchmarks" / "gpu_check.py"), run_name="gpu_check")
-    torch.manual_seed(0)
-    model = Qwen3Model(tiny_config(vocab_size=64)).eval()
-    args = argparse.Namespace(num_rollouts=4, max_new_tokens=5, micro_batch_size=3)
-    reward = CompositeReward([RewardTerm("even", script["even_fraction"])])
-    examples = script["PROBLEMS"][:2]
-    before = model.lm_head.weight.detach().clone()
-    r = script["grpo_step"](model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                            script["NoEosTokenizer"](64), examples, reward,
-                            torch.Generator().manual_seed(0), args, "cpu")
-    assert r["rows"] == 8 and r["tokens"] == 8 * 5 and r["step_s"] >= r["rollout_s"] > 0
-    assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
-    assert not torch.equal(model.lm_head.weight, before)  # the AdamW step changed the weights
-
-
-def test_gpu_check_cpu_path_writes_every_figure(tmp_path, monkeypatch):
-    """`gpu_check.py --device cpu`: every part on a tiny model, the JSON at the given path."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    script = runpy.run_path(str(ROOT / "benchmarks" / "gpu_check.py"), run_name="gpu_check")
-    out = tmp_path / "gpu_results.json"
-    assert script["main"](["--device", "cpu", "--no-compile", "--out", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res["device"] == "cpu" and not res["errors"] and not res["timed_out"]
-    for path in ("ours_eager", "ours_fast", "hf_static"):
-        assert res["decode_tok_s"][path]["tiny x4"] > 0
-    assert set(res["grpo_step_s"]) == {"2x2x4", "2x2x4 +ref"}
-    assert res["default_run"]["wall_s"] > 0 and res["default_run"]["final_accuracy"] is not None
 
 
 def test_bench_fsdp_tiny_run():
