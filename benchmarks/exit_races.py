@@ -115,8 +115,10 @@ def run_target(name, runs):
             counts["seconds"] += time.time() - t0
         kind = classify(proc)
         counts[kind] += 1
-        if kind != "ok":
+        if kind != "ok":  # shown at once: a rare abort's stderr is what explains it
             counts["last_error"] = proc.stderr[-2000:]
+            print(f"--- {name}, run {sum(counts[k] for k in ('ok', 'abort', 'failed'))}: "
+                  f"{kind}, stderr ---\n{proc.stderr[-6000:]}", flush=True)
     return counts
 
 
