@@ -36,7 +36,9 @@ fsdp.py shards them instead (`--fsdp`), reusing these helpers for everything but
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -56,6 +58,10 @@ DEFAULT_TIMEOUT_MINUTES = 30.0
 # After a normal end or a stop signal they all come within moments; after an error on one
 # process the others may never come (they wait in a collective until torchrun stops them).
 LEAVE_TIMEOUT_S = 30.0
+# How long a process that left the group lets the group's threads finish when something still
+# holds the group (seconds, `shutdown_distributed`): ample for a thread that only waits for the
+# GIL to release a finished collective's tensors.
+LEAVE_GRACE_S = 0.5
 
 # What torchrun sets for every worker (see `launched_by_torchrun`).
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -135,14 +141,24 @@ def init_distributed(device: torch.device, timeout_minutes: float = DEFAULT_TIME
 
 
 def shutdown_distributed(timeout_s: float = LEAVE_TIMEOUT_S) -> None:
-    """Meet the other processes, then leave the process group (if any); every way out of a
-    data-parallel program (an entry point, a test worker) ends here.
+    """Meet the other processes, then leave the process group (if any) and stop its threads;
+    every way out of a data-parallel program (an entry point, a test worker) ends here.
 
     Why always meet: destroying a Gloo group stops this process's connection threads, and a
     process that leaves while another is still exchanging the last collective's messages with
     it aborts that other ("terminate called without an active exception": SIGABRT at exit, at
     random). A process that never comes (one that failed, or one waiting in another collective)
     is waited for `timeout_s` seconds at most; then this one leaves anyway.
+
+    Why stop the threads here: `destroy_process_group` forgets the group, but its backend (and
+    Gloo's worker threads) lives on while anything still refers to it: a sharded model's FSDP
+    state, a DDP view. A worker thread that drops a finished collective's tensors takes the
+    GIL to release their Python objects; if that happens while the interpreter shuts down, the
+    thread is ended inside C++ code that cannot unwind, and the process aborts with the same
+    message. So the group's last references are collected here, while the interpreter still
+    runs (its threads then stop, joined by the backend's destructor), and a group that
+    something else still holds gets LEAVE_GRACE_S seconds, with the GIL released, for its
+    threads to finish what they hold.
     """
     if not is_distributed():
         return
@@ -151,7 +167,20 @@ def shutdown_distributed(timeout_s: float = LEAVE_TIMEOUT_S) -> None:
             _meet(timeout_s)
         except RuntimeError:  # someone did not come in time: leave without them
             pass
+    threads = _os_thread_count()
     dist.destroy_process_group()
+    gc.collect()  # a model and its hooks form cycles: collected now, they drop the group
+    if threads is None or _os_thread_count() >= threads:  # its threads still run
+        time.sleep(LEAVE_GRACE_S)  # GIL released: they finish what they hold
+
+
+def _os_thread_count() -> int | None:
+    """This process's operating-system threads, C++ ones included (Linux: /proc/self/task);
+    None where that cannot be read."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
 
 
 def _meet(timeout_s: float) -> None:

@@ -5,6 +5,7 @@ gives up on one that never comes), and benchmarks/exit_races.py runs and classif
 every run checks: a torch without FSDP2 trains without --fsdp and refuses it; the replicas'
 agreement is a float64 sum (no whole float64 copies), checked after the final save."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -137,6 +138,40 @@ def test_shutdown_gives_up_on_a_process_that_never_comes(tmp_path):
     start0, left0 = _times(tmp_path, 0)
     assert 1.5 < left0 - start0 < 20  # waited its 2 s, then left alone
     assert not (tmp_path / "1.txt").exists()
+
+
+class _Holder:
+    """Something that refers to the process group in a reference cycle, as a sharded model's
+    FSDP state and its hooks do."""
+
+    def __init__(self):
+        self.group, self.me = dist.group.WORLD, self
+
+
+def _threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["garbage", "still-held"])
+def test_shutdown_stops_the_groups_threads_or_gives_them_a_grace(monkeypatch, held):
+    slept = []
+    monkeypatch.setattr(distributed.time, "sleep", slept.append)
+    before = _threads()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.all_reduce(torch.ones(3))  # the backend's worker threads are running
+    assert _threads() > before
+    holder = _Holder()
+    if not held:
+        del holder  # garbage, but a cycle: only a collection frees it
+    distributed.shutdown_distributed()
+    assert not dist.is_initialized()
+    if held:  # the group lives on: its threads get the grace to finish with the GIL released
+        assert slept == [distributed.LEAVE_GRACE_S] and _threads() > before
+        del holder
+        gc.collect()
+    else:  # collected inside shutdown_distributed: the threads stopped before it returned
+        assert slept == [] and _threads() == before
+    assert _threads() == before
 
 
 def test_exit_races_counts_aborts_and_runs_each_target_once():
