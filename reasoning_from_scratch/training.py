@@ -564,6 +564,7 @@ def update_shape(config, tokenizer, train_examples, prompt_fn) -> FixedShape:
     rows = (stop - start) * config.num_rollouts  # this process's rollouts of one step
     if config.micro_batch_size:
         rows = min(rows, config.micro_batch_size)
+    rows = max(1, rows)  # 0: a process whose share has no prompt (it never pads)
     return FixedShape(rows, max(prompt_lengths(tokenizer, train_examples, prompt_fn)),
                       config.max_new_tokens, buckets=config.update_buckets)
 

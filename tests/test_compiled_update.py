@@ -6,6 +6,7 @@ Each CPU compile costs seconds (a minute on a busy machine), so the compiled tes
 one step against eager, one short training run.
 """
 
+import argparse
 import copy
 import runpy
 from pathlib import Path
@@ -264,6 +265,9 @@ def test_the_defaults_per_device():
         GRPOConfig(fsdp=True, compile_update=True)
     with pytest.raises(ValueError, match="sampler_dtype must be one of"):
         GRPOConfig(sampler_dtype="float16")
+    with pytest.raises(ValueError, match="update_buckets must be >= 1"):
+        GRPOConfig(update_buckets=0)
+    assert config.update_buckets == 4
 
 
 def test_bfloat16_autocast_keeps_fp32_weights_and_a_close_loss(model_tok, even_reward):
@@ -330,3 +334,32 @@ def test_the_benchmark_times_the_compiled_update_against_eager(monkeypatch):
                 "--interleave-update", "1"])
     assert set(out["tiny"]) == {"eager", "compiled"}
     assert all(wall > 0 and cpu > 0 for wall, cpu in out["tiny"].values())
+    out = main(["--prompts", "2", "--G", "2", "--max-new-tokens", "16", "--threads", "1",
+                "--interleave-update", "1", "--vary-lengths", "2", "--update-buckets", "2",
+                "--beta", "0"])
+    assert set(out["tiny"]) == {"eager", "compiled", "bucketed"}
+    assert all(wall > 0 and cpu > 0 for wall, cpu in out["tiny"].values())
+
+
+def test_the_benchmark_cuts_batches_like_a_training_run():
+    """--vary-lengths: 30-80% of the groups' rows, the longest completion at 67-92% of the
+    budget, every row's mask a prefix no longer than it, one row at full width."""
+    root = Path(__file__).resolve().parents[1]
+    bench = runpy.run_path(str(root / "benchmarks" / "bench_grpo_step.py"),
+                           run_name="bench_grpo_step")
+    B, P, T = 16 * 8, 5, 112
+    full = grpo.RolloutBatch(torch.arange(B * (P + T)).reshape(B, P + T), None, P,
+                             torch.ones(B, T, dtype=torch.bool), torch.zeros(B),
+                             torch.zeros(16, 8))
+    args = argparse.Namespace(vary_lengths=5, prompts=16, G=8, max_new_tokens=T)
+    batches = bench["varied_batches"](full, args)
+    assert len(batches) == 5
+    for b in batches:
+        width = b.completion_mask.shape[1]
+        assert b.size % 8 == 0 and 5 * 8 <= b.size <= 13 * 8
+        assert 0.67 * T - 1 <= width <= 0.92 * T and b.input_ids.shape[1] == P + width
+        assert torch.equal(b.input_ids, full.input_ids[:b.size, :P + width])
+        assert b.completion_mask[0].all()
+        lengths = b.completion_mask.sum(1)  # each mask a prefix of its row
+        assert torch.equal(b.completion_mask, torch.arange(width) < lengths[:, None])
+        assert (lengths >= width // 8).all()
