@@ -221,8 +221,9 @@ class FixedShape:
     which for dozens of rollouts lies near the token budget (75-103 of 112 tokens in the
     chapter 7 default run) and as tall as its groups with signal (40-104 of 128 rows there),
     so halves would leave nearly every batch in the top bucket. The prompt columns stay at
-    their one bound: prompts are short next to the token budget and their padding is cheap,
-    and bucketing them too would multiply the graphs."""
+    their one bound: a batch's prompt width, its longest prompt, varies little (53-56 of 56
+    tokens for 16 prompts of the default run's data), so their padding is cheap, and
+    bucketing them too would multiply the graphs."""
 
     rows: int
     prompt_cols: int
