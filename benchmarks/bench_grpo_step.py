@@ -24,14 +24,23 @@ log-probs + the update on one fixed batch, eager and compiled in turn, N times e
 and CPU time:
 
     python benchmarks/bench_grpo_step.py --prompts 8 --max-new-tokens 112 --interleave-update 4
+
+With `--vary-lengths B` the interleaved comparison runs on B batches whose rows and completion
+lengths vary as the chapter 7 default run's do, and adds the update compiled in length buckets
+(`--update-buckets`, `GRPOConfig.update_buckets`) next to the one-shape one:
+
+    python benchmarks/bench_grpo_step.py --prompts 16 --max-new-tokens 112 --beta 0 \\
+        --interleave-update 2 --vary-lengths 6 --threads 1
 """
 
 import argparse
 import copy
+import dataclasses
 import resource
 import time
 
 import torch
+from torch._dynamo.utils import counters
 
 from reasoning_from_scratch.cli.arguments import (
     add_device_argument,
@@ -58,7 +67,7 @@ from reasoning_from_scratch.rewards import (
     correctness_reward,
 )
 from reasoning_from_scratch.tiny_world import TINY_ARITH_ARCH
-from reasoning_from_scratch.validation import non_negative_int
+from reasoning_from_scratch.validation import non_negative_int, positive_int
 
 PROBLEMS = [{"problem": f"{a}+{b}*{c}", "answer": str(a + b * c)}
             for a, b, c in [(12, 3, 4), (7, 9, 2), (25, 4, 3), (18, 6, 5), (9, 8, 7), (30, 2, 2),
@@ -194,7 +203,8 @@ def run(size, args, device):
         ref = copy.deepcopy(model).requires_grad_(False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         tok = NoEosTokenizer(model.cfg.vocab_size)
-        args.fixed_shape = update_shape(tok, args) if name == "compiled-update" else None
+        args.fixed_shape = update_shape(tok, args, args.update_buckets) \
+            if name == "compiled-update" else None
         reward = TimedReward(CompositeReward([RewardTerm("correct", correctness_reward),
                                         RewardTerm("even", even_fraction)]))
         gen = torch.Generator(device=device).manual_seed(0)
@@ -235,22 +245,29 @@ def run(size, args, device):
 
 
 def interleaved_update(size, args, device):
-    """Reference log-probs + update of one fixed batch, eager and compiled alternately
-    (`args.interleave_update` times each, after one untimed step of each: the compile);
-    returns {path: (wall seconds, CPU seconds)} per step."""
+    """Reference log-probs (with --beta > 0) + update of one fixed batch, eager and compiled to
+    one shape, or of `args.vary_lengths` batches of varying rows and lengths (`varied_batches`),
+    also compiled in `args.update_buckets` length buckets; the paths in turn,
+    `args.interleave_update` rounds each after one untimed round of each (the compiles);
+    returns {path: (wall seconds, CPU seconds)} per update."""
     model = make_model(size, device).eval()
     ref = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     tok = NoEosTokenizer(model.cfg.vocab_size)
     reward = CompositeReward([RewardTerm("even", even_fraction)])
-    batch = collect_rollouts(model, tok, prompts_for(args), device, reward, args.G,
-                             args.max_new_tokens, 1.0, 1.0,
-                             torch.Generator(device=device).manual_seed(0))
+    full = collect_rollouts(model, tok, prompts_for(args), device, reward, args.G,
+                            args.max_new_tokens, 1.0, 1.0,
+                            torch.Generator(device=device).manual_seed(0))
+    batches = varied_batches(full, args) if args.vary_lengths else [full]
     shapes = {"eager": None, "compiled": update_shape(tok, args)}
+    if args.vary_lengths and args.update_buckets > 1:
+        shapes["bucketed"] = update_shape(tok, args, args.update_buckets)
 
-    def step(shape):
-        with torch.no_grad():
-            ref_logp, _ = batch_logprobs(ref, batch, with_entropy=False, fixed_shape=shape)
+    def step(shape, batch):
+        ref_logp = None
+        if args.beta:
+            with torch.no_grad():
+                ref_logp, _ = batch_logprobs(ref, batch, with_entropy=False, fixed_shape=shape)
         model.train()
         opt.zero_grad(set_to_none=True)
         out = grpo_loss_on_batch(model, batch, None, ref_logp, "grpo", 0.2, None, args.beta,
@@ -260,30 +277,61 @@ def interleaved_update(size, args, device):
         model.eval()
         sync(device)
 
-    t0 = time.perf_counter()
-    step(shapes["compiled"])
-    print(f"\n== {size}: update of {batch.size} rollouts, eager and compiled in turn; "
-          f"compile + first step {time.perf_counter() - t0:.1f} s ==")
-    step(shapes["eager"])
+    print(f"\n== {size}: updates of {', '.join(str(b.size) for b in batches)} rollouts "
+          f"(longest completions {', '.join(str(b.completion_mask.shape[1]) for b in batches)}"
+          f" of {args.max_new_tokens} tokens), paths in turn ==")
+    for name, shape in shapes.items():  # the warm-up: every shape the batches meet compiles
+        t0, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
+        for batch in batches:
+            step(shape, batch)
+        print(f"{name:8s} warm-up {time.perf_counter() - t0:6.1f} s, "
+              f"{counters['stats']['unique_graphs'] - graphs} new graphs")
     totals = {name: [0.0, 0.0] for name in shapes}
+    n = args.interleave_update * len(batches)
     for _ in range(args.interleave_update):
         for name, shape in shapes.items():
             wall, cpu = time.perf_counter(), time.process_time()
-            step(shape)
-            totals[name][0] += (time.perf_counter() - wall) / args.interleave_update
-            totals[name][1] += (time.process_time() - cpu) / args.interleave_update
+            for batch in batches:
+                step(shape, batch)
+            totals[name][0] += (time.perf_counter() - wall) / n
+            totals[name][1] += (time.process_time() - cpu) / n
+    ew, ec = totals["eager"]
     for name, (wall, cpu) in totals.items():
-        print(f"{name:8s} {wall:6.2f} s wall | {cpu:6.2f} s CPU per update")
-    (ew, ec), (cw, cc) = totals["eager"], totals["compiled"]
-    print(f"compiled update: {ew / cw:.2f}x wall, {ec / cc:.2f}x CPU time faster than eager")
+        print(f"{name:8s} {wall:6.2f} s wall | {cpu:6.2f} s CPU per update | "
+              f"{ew / wall:.2f}x wall, {ec / cpu:.2f}x CPU time of eager's speed")
     return totals
 
 
-def update_shape(tok, args):
-    """The compiled update's one shape for this benchmark's batches: every rollout of a step,
-    the longest prompt, the token budget."""
+def varied_batches(full, args):
+    """`args.vary_lengths` batches cut from a full-length one, their sizes drawn (seeded) like
+    the chapter 7 default run's batches (docs/speed.md): 30-80% of the groups kept (the rest
+    had no signal), the longest completion at 80.5% +- 2.8% (normal, within 67-92%) of the
+    token budget (the default run's: 90 +- 3 of 112 tokens) and each other completion's
+    length uniform between 1/8 of that and it (its tokens past it are masked out of the loss,
+    as a finished completion's padding is)."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(args.vary_lengths):
+        groups = int(torch.randint(max(1, round(0.3 * args.prompts)),
+                                   max(1, round(0.8 * args.prompts)) + 1, (), generator=gen))
+        rows = groups * args.G
+        share = min(0.92, max(0.67, 0.805 + 0.028 * float(torch.randn((), generator=gen))))
+        width = round(args.max_new_tokens * share)
+        width = max(1, min(width, full.completion_mask.shape[1]))
+        lengths = torch.randint(max(1, width // 8), width + 1, (rows,), generator=gen)
+        lengths[0] = width
+        keep = torch.arange(width) < lengths[:, None]  # (rows, width)
+        part = full.cut(rows, width)
+        out.append(dataclasses.replace(
+            part, completion_mask=part.completion_mask & keep.to(part.completion_mask.device)))
+    return out
+
+
+def update_shape(tok, args, buckets=1):
+    """The compiled update's shapes for this benchmark's batches: at most every rollout of a
+    step, the longest prompt, the token budget; in `buckets` length buckets."""
     longest = max(len(tok.encode(render_prompt(ex["problem"]))) for ex in prompts_for(args))
-    return FixedShape(args.prompts * args.G, longest, args.max_new_tokens)
+    return FixedShape(args.prompts * args.G, longest, args.max_new_tokens, buckets=buckets)
 
 
 def prompts_for(args):
@@ -311,7 +359,16 @@ def main(argv=None):
                         "separate peaks)")
     p.add_argument("--interleave-update", type=non_negative_int, default=0, metavar="N",
                    help="instead of whole steps: the update of one fixed batch, eager and "
-                        "compiled in turn, N times each (0: off)")
+                        "compiled in turn, N rounds each (0: off); see --vary-lengths")
+    p.add_argument("--vary-lengths", type=non_negative_int, default=0, metavar="B",
+                   help="with --interleave-update: B batches whose rows and completion lengths "
+                        "vary as the chapter 7 default run's do, instead of one full-length "
+                        "batch, and a third path: compiled in --update-buckets buckets (0: the "
+                        "full-length batch)")
+    p.add_argument("--update-buckets", type=positive_int, default=4,
+                   help="length buckets of the bucketed compiled update "
+                        "(GRPOConfig.update_buckets; 1: no bucketed path with --vary-lengths) "
+                        "and of the compiled-update path")
     add_threads_argument(p, None, "torch CPU threads (None: default)")
     args = p.parse_args(argv)
     set_threads(args.threads)

@@ -178,35 +178,93 @@ def _logprob_entropy_chunk(head, h, targets, with_entropy, temperature=1.0):
 
 
 # ----------------------------------------------------------------------------------------------
-# The compiled training block: micro-batches padded to one shape
+# The compiled training block: micro-batches padded to a few fixed shapes
 # ----------------------------------------------------------------------------------------------
+
+COLUMN_MULTIPLE = 8  # completion buckets are whole multiples of this (vector/tensor-core width)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _even_sizes(full: int, buckets: int, multiple: int = 1) -> tuple[int, ...]:
+    """`buckets` evenly spaced sizes up to `full`: ceil(full * k / buckets) for k = 1..buckets,
+    each rounded up to a multiple of `multiple` but never past `full`; ascending, distinct."""
+    sizes = {min(full, _ceil_div(_ceil_div(full * k, buckets), multiple) * multiple)
+             for k in range(1, buckets + 1)}
+    return tuple(sorted(sizes))
+
+
+def _smallest_holding(sizes: tuple[int, ...], n: int) -> int:
+    """The smallest of `sizes` that is >= n; n itself when none is."""
+    return next((size for size in sizes if size >= n), n)
+
 
 @dataclass(frozen=True)
 class FixedShape:
-    """The shape every micro-batch of the log-prob pass is padded to, so that the decoder blocks
-    see one shape all run long (`torch.compile(dynamic=False)` then compiles each setting once):
-    `rows` rollouts, `prompt_cols` prompt columns (more left padding) and `completion_cols`
-    completion columns (more right padding). A batch larger than the shape (never in a GRPO run,
-    whose shape is its largest micro-batch, longest training prompt and token budget) is padded
-    to its own size instead. compile: run the blocks through `compiled_block`; False pads only
-    (what the equivalence tests compare with)."""
+    """The shapes the micro-batches of the log-prob pass are padded to, so that the decoder
+    blocks see only a few shapes all run long (`torch.compile(dynamic=False)` compiles each
+    shape once, for each grad/autocast setting): at most `rows` rollouts, `prompt_cols` prompt
+    columns (more left padding) and at most `completion_cols` completion columns (more right
+    padding). A batch larger than that (never in a GRPO run, whose bounds are its largest
+    micro-batch, longest training prompt and token budget) is padded to its own size instead.
+    compile: run the blocks through `compiled_block`; False pads only (what the equivalence
+    tests compare with).
+
+    buckets: sizes per dimension (length buckets). Rows and completion columns each get
+    `buckets` evenly spaced sizes up to their bound (`row_sizes`, `completion_sizes`; the
+    completion sizes rounded up to a multiple of COLUMN_MULTIPLE), and a micro-batch is padded
+    to the smallest size of each that holds it (`bucket`), so the padding is at most about
+    1/buckets of each bound while the graphs stay at most buckets**2 shapes. Evenly spaced
+    rather than halving (bound / 2**k): a step's batch is as wide as its longest completion,
+    which for dozens of rollouts lies near the token budget (75-103 of 112 tokens in the
+    chapter 7 default run) and as tall as its groups with signal (40-104 of 128 rows there),
+    so halves would leave nearly every batch in the top bucket. The prompt columns stay at
+    their one bound: a batch's prompt width, its longest prompt, varies little (53-56 of 56
+    tokens for 16 prompts of the default run's data), so their padding is cheap, and
+    bucketing them too would multiply the graphs."""
 
     rows: int
     prompt_cols: int
     completion_cols: int
     compile: bool = True
+    buckets: int = 1
+
+    def __post_init__(self):
+        for name in ("rows", "prompt_cols", "completion_cols", "buckets"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"FixedShape.{name} must be >= 1, got {getattr(self, name)}")
+
+    def row_sizes(self) -> tuple[int, ...]:
+        """The row buckets, ascending; the last is `rows`."""
+        return _even_sizes(self.rows, self.buckets)
+
+    def completion_sizes(self) -> tuple[int, ...]:
+        """The completion-column buckets, ascending; the last is `completion_cols`."""
+        return _even_sizes(self.completion_cols, self.buckets, COLUMN_MULTIPLE)
+
+    def shape_count(self) -> int:
+        """Distinct padded shapes a run can make (each one graph per grad/autocast setting)."""
+        return len(self.row_sizes()) * len(self.completion_sizes())
+
+    def bucket(self, rows: int, prompt_cols: int, completion_cols: int) -> tuple[int, int, int]:
+        """The padded (rows, prompt columns, completion columns) of a batch of these sizes: the
+        smallest bucket holding it, its own size where it exceeds every bucket."""
+        return (_smallest_holding(self.row_sizes(), rows), max(self.prompt_cols, prompt_cols),
+                _smallest_holding(self.completion_sizes(), completion_cols))
 
 
 def pad_to_shape(input_ids, attention_mask, prompt_len, shape: FixedShape, pad_id=0):
     """A packed batch (B, L) (prompts left-padded to `prompt_len`, then completions) padded to
-    `shape`: (ids (R, P' + T'), attention mask (R, P' + T') long, left offset). Real tokens keep
-    their rotary positions (positions count real tokens only) and see the same keys (padding is
-    masked; causal attention hides the right padding), so their hidden states are the unpadded
-    ones up to float rounding. Rows B.. are all padding; their outputs are never read."""
+    its bucket of `shape` (`FixedShape.bucket`): (ids (R, P' + T'), attention mask (R, P' + T')
+    long, left offset). Real tokens keep their rotary positions (positions count real tokens
+    only) and see the same keys (padding is masked; causal attention hides the right padding),
+    so their hidden states are the unpadded ones up to float rounding. Rows B.. are all padding;
+    their outputs are never read."""
     B, L = input_ids.shape
-    rows = max(shape.rows, B)
-    prompt_cols = max(shape.prompt_cols, prompt_len)
-    cols = prompt_cols + max(shape.completion_cols, L - prompt_len)
+    rows, prompt_cols, completion_cols = shape.bucket(B, prompt_len, L - prompt_len)
+    cols = prompt_cols + completion_cols
     left = prompt_cols - prompt_len
     ids = input_ids.new_full((rows, cols), pad_id)
     ids[:B, left:left + L] = input_ids
@@ -224,19 +282,21 @@ def _run_block(block, x, cos, sin, attn_mask):
 
 # torch.compile of `_run_block`, made on first use (building it imports the compiler). The
 # blocks' parameters are graph inputs, so one graph serves every block of every model of one
-# architecture; grad mode, train/eval mode and autocast each add one.
+# architecture; each padded shape, grad mode, train/eval mode and autocast add one.
 _COMPILED_BLOCK: dict = {}
 # model -> why compiling its training block failed; its later passes run eagerly.
 _BLOCK_COMPILE_FAILURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-BLOCK_RECOMPILE_LIMIT = 16  # graphs kept for the block (torch's default limit is 8)
+BLOCK_RECOMPILE_LIMIT = 16  # graphs kept for the block per padded shape (torch's default: 8)
 
 
-def compiled_block(model) -> Callable:
+def compiled_block(model, shapes: int = 1) -> Callable:
     """`forward_hidden`'s block_fn for the training path: each decoder block through
     `torch.compile(fullgraph=True, dynamic=False)`, or eagerly, with one warning per model, if
     compiling fails (with fullgraph a failure is raised while tracing the forward, before the
     block ran). Without any padding `forward_hidden` passes no mask; the causal one is built
-    here, so that such a batch uses the same graph as the padded ones."""
+    here, so that such a batch uses the same graph as the padded ones. shapes: the padded
+    shapes it will see (`FixedShape.shape_count`); torch's recompile limits are raised to
+    BLOCK_RECOMPILE_LIMIT graphs per shape, so no bucket ever falls back to eager."""
 
     def run(block, x, cos, sin, attn_mask):
         if attn_mask is None:
@@ -248,8 +308,11 @@ def compiled_block(model) -> Callable:
                 if "block" not in _COMPILED_BLOCK:
                     _COMPILED_BLOCK["block"] = torch.compile(_run_block, fullgraph=True,
                                                              dynamic=False)
-                limit = max(torch._dynamo.config.recompile_limit, BLOCK_RECOMPILE_LIMIT)
-                with torch._dynamo.config.patch(recompile_limit=limit):
+                limit = max(torch._dynamo.config.recompile_limit,
+                            BLOCK_RECOMPILE_LIMIT * shapes)
+                total = max(torch._dynamo.config.accumulated_recompile_limit, limit)
+                with torch._dynamo.config.patch(recompile_limit=limit,
+                                                accumulated_recompile_limit=total):
                     return _COMPILED_BLOCK["block"](block, x, cos, sin, attn_mask)
             except Exception as e:  # compiler missing, unsupported op, recompile limit hit
                 why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
@@ -277,10 +340,10 @@ def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len
     sampler at that temperature draws from (before top-p), as TRL's GRPOTrainer computes them;
     1.0 (default) is the model's own distribution. With no answer token at all (an all-False
     mask) the zeros returned stay connected to the graph, so a loss built on them can backward.
-    fixed_shape: pad the batch to this shape for the model's forward pass (`pad_to_shape`), and
-    with its `compile` run the decoder blocks compiled (`compiled_block`); the log-probs are
-    those of the unpadded batch (the lm_head and the loss see only its answer positions).
-    """
+    fixed_shape: pad the batch to its bucket of these shapes for the model's forward pass
+    (`pad_to_shape`), and with its `compile` run the decoder blocks compiled
+    (`compiled_block`); the log-probs are those of the unpadded batch (the lm_head and the loss
+    see only its answer positions)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if input_ids.dim() != 2:
@@ -299,7 +362,8 @@ def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len
         )
     if hasattr(model, "forward_hidden") and fixed_shape is not None:
         ids, padded_mask, left = pad_to_shape(input_ids, attention_mask, prompt_len, fixed_shape)
-        block_fn = compiled_block(model) if fixed_shape.compile else None
+        block_fn = compiled_block(model, fixed_shape.shape_count()) \
+            if fixed_shape.compile else None
         hidden = model.forward_hidden(ids, padded_mask, block_fn=block_fn)  # (R, L', H)
         hidden = hidden[:B, left:left + L]  # (B, L, H): the batch's own positions
         head = model.lm_head
@@ -623,6 +687,21 @@ class RolloutBatch:
             self.input_ids[start:stop], am, self.prompt_len,
             self.completion_mask[start:stop], self.advantages[start:stop], self.rewards,
             self.samples, self.zero_adv_frac, self.num_generated_tokens, sl,
+        )
+
+    def cut(self, rows: int, completion_cols: int) -> RolloutBatch:
+        """The first `rows` rollouts with only their first `completion_cols` completion columns
+        (longer completions cut short); a batch of other sizes for benchmarks and tests."""
+        cols = self.prompt_len + completion_cols
+        part = self.slice(0, rows)
+        adv = part.advantages[:, :completion_cols] if part.advantages.dim() == 2 \
+            else part.advantages
+        am = None if part.attention_mask is None else part.attention_mask[:, :cols]
+        sl = None if part.sampler_logp is None else part.sampler_logp[:, :completion_cols]
+        return RolloutBatch(
+            part.input_ids[:, :cols], am, self.prompt_len,
+            part.completion_mask[:, :completion_cols], adv, self.rewards, self.samples,
+            self.zero_adv_frac, self.num_generated_tokens, sl,
         )
 
     def rows(self, keep: torch.Tensor) -> RolloutBatch:

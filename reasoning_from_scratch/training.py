@@ -309,9 +309,16 @@ class GRPOConfig:
         "Default: on for CUDA, off elsewhere (no gain on the CPU, docs/speed.md)")
     compile_update: bool | None = option(None,
         "run the update's decoder blocks compiled (torch.compile), every micro-batch padded to "
-        "one shape (micro-batch size x longest training prompt + max-new-tokens, the padding "
-        "left out of the loss), so the training step compiles once; the same loss and "
-        "gradients up to float rounding. Default: as compile; never with fsdp")
+        "one of a few shapes (at most micro-batch size x longest training prompt + "
+        "max-new-tokens; update-buckets), the padding left out of the loss, so the training "
+        "step compiles once per shape; the same loss and gradients up to float rounding. "
+        "Default: as compile; never with fsdp")
+    update_buckets: int = option(4,
+        "length buckets of the compiled update: rows and completion columns each get this many "
+        "evenly spaced sizes up to the micro-batch size and max-new-tokens, and every "
+        "micro-batch is padded to the smallest that holds it (padding at most ~1/N of each; "
+        "a graph per size pair met, at most N**2; 1: the one full shape)",
+        rule=at_least(1))
     sampler_dtype: str = option("auto",
         "dtype of the weights that sample rollouts and evaluations: a copy of the policy in "
         "that dtype, refreshed after every update (also the fsdp replica's dtype). auto: "
@@ -548,16 +555,18 @@ def prompt_lengths(tokenizer, examples, prompt_fn) -> list[int]:
 
 
 def update_shape(config, tokenizer, train_examples, prompt_fn) -> FixedShape:
-    """The one shape the compiled update pads every micro-batch to: rows = the micro-batch size
-    (at most this process's rollouts of a step), columns = the longest training prompt + the
-    token budget, so every step of a run, whatever its prompts' and completions' lengths, uses
-    the graphs its first step made."""
+    """The shapes the compiled update pads its micro-batches to: at most rows = the micro-batch
+    size (at most this process's rollouts of a step) and columns = the longest training prompt
+    + the token budget, in `update_buckets` row and completion-length buckets each
+    (`grpo.FixedShape`), so every step of a run, whatever its prompts' and completions'
+    lengths, uses one of at most update_buckets**2 shapes, each compiled when first met."""
     start, stop = shard_range(config.prompts_per_step)
     rows = (stop - start) * config.num_rollouts  # this process's rollouts of one step
     if config.micro_batch_size:
         rows = min(rows, config.micro_batch_size)
+    rows = max(1, rows)  # 0: a process whose share has no prompt (it never pads)
     return FixedShape(rows, max(prompt_lengths(tokenizer, train_examples, prompt_fn)),
-                      config.max_new_tokens)
+                      config.max_new_tokens, buckets=config.update_buckets)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -567,8 +576,8 @@ def update_shape(config, tokenizer, train_examples, prompt_fn) -> FixedShape:
 def _update(model, optimizer, batch, old_logp, ref_logp, config, totals=None, fixed_shape=None):
     """One optimizer step on a batch (micro-batched); returns loss stats.
 
-    The forward passes run under `update_autocast`; fixed_shape pads each micro-batch to one
-    shape for the compiled decoder blocks (`grpo.FixedShape`; None: eager, unpadded).
+    The forward passes run under `update_autocast`; fixed_shape pads each micro-batch to its
+    bucket for the compiled decoder blocks (`grpo.FixedShape`; None: eager, unpadded).
 
     Data-parallel runs: `batch` is this process's share and `totals` (`global_totals`) the whole
     step's counts; every micro-batch's loss is scaled by its share of the *whole* batch

@@ -1,11 +1,12 @@
-"""The update's fast path: micro-batches padded to one shape and decoder blocks compiled
-(`grpo.FixedShape`, `grpo.compiled_block`), the bfloat16 sampling replica (`sampler_dtype`)
-and bfloat16 autocast of the update (`autocast`), all on the CPU.
+"""The update's fast path: micro-batches padded to a few fixed shapes (length buckets) and
+decoder blocks compiled (`grpo.FixedShape`, `grpo.compiled_block`), the bfloat16 sampling
+replica (`sampler_dtype`) and bfloat16 autocast of the update (`autocast`), all on the CPU.
 
 Each CPU compile costs seconds (a minute on a busy machine), so the compiled tests are few:
 one step against eager, one short training run.
 """
 
+import argparse
 import copy
 import runpy
 from pathlib import Path
@@ -82,6 +83,47 @@ def test_padding_to_a_fixed_shape_leaves_loss_and_gradients_unchanged(model_tok,
     assert not mask[batch.size:].any() and not mask[:, :left].any()
 
 
+def test_the_length_buckets_are_the_hand_computed_ones():
+    """Evenly spaced sizes, completion sizes rounded up to multiples of 8, the smallest bucket
+    that holds a batch, its own size beyond the bounds (the chapter 7 default run's bounds)."""
+    shape = FixedShape(rows=128, prompt_cols=30, completion_cols=112, buckets=4)
+    assert shape.row_sizes() == (32, 64, 96, 128)
+    assert shape.completion_sizes() == (32, 56, 88, 112)  # 28 -> 32, 84 -> 88
+    assert shape.shape_count() == 16
+    assert shape.bucket(72, 20, 90) == (96, 30, 112)
+    assert shape.bucket(40, 30, 75) == (64, 30, 88)
+    assert shape.bucket(32, 1, 32) == (32, 30, 32)
+    assert shape.bucket(33, 30, 33) == (64, 30, 56)
+    assert shape.bucket(130, 31, 113) == (130, 31, 113)
+    three = FixedShape(rows=128, prompt_cols=30, completion_cols=112, buckets=3)
+    assert three.row_sizes() == (43, 86, 128)  # 42.7, 85.3
+    assert three.completion_sizes() == (40, 80, 112)  # 37.3 -> 40, 74.7 -> 80
+    small = FixedShape(rows=4, prompt_cols=5, completion_cols=8, buckets=4)
+    assert small.row_sizes() == (1, 2, 3, 4) and small.completion_sizes() == (8,)
+    assert small.shape_count() == 4
+    one = FixedShape(rows=128, prompt_cols=30, completion_cols=112)
+    assert one.shape_count() == 1 and one.bucket(40, 20, 75) == (128, 30, 112)
+    with pytest.raises(ValueError, match="buckets must be >= 1"):
+        FixedShape(rows=4, prompt_cols=5, completion_cols=8, buckets=0)
+
+
+def test_padding_to_each_bucket_leaves_loss_and_gradients_unchanged(model_tok, even_reward):
+    model, tok = model_tok
+    batch = _batch(model, tok, even_reward, TRAIN[:2], seed=2, max_new_tokens=16)
+    assert batch.size == 6 and batch.completion_mask.shape[1] == 16
+    shape = FixedShape(rows=6, prompt_cols=batch.prompt_len + 2, completion_cols=16,
+                       buckets=2, compile=False)
+    assert shape.row_sizes() == (3, 6) and shape.completion_sizes() == (8, 16)
+    for rows, cols, bucket in [(2, 5, (3, 8)), (5, 8, (6, 8)), (3, 9, (3, 16)),
+                               (6, 16, (6, 16))]:
+        part = batch.cut(rows, cols)
+        ids, mask, left = grpo.pad_to_shape(part.input_ids, part.attention_mask,
+                                            part.prompt_len, shape)
+        assert (ids.shape[0], ids.shape[1] - shape.prompt_cols) == bucket and left == 2
+        assert int(part.completion_mask.sum()) > 0
+        _assert_close(_loss_and_grads(model, part, shape), _loss_and_grads(model, part))
+
+
 @compiler
 def test_the_compiled_step_equals_eager_with_one_graph_for_every_batch(model_tok, even_reward):
     """Loss and gradients within 1e-5 of eager; no graph break; a batch of other lengths and
@@ -108,33 +150,55 @@ def test_the_compiled_step_equals_eager_with_one_graph_for_every_batch(model_tok
 
 
 @compiler
-def test_a_compiled_update_run_makes_no_graph_after_its_third_step(tiny_dir, tmp_path,
-                                                                     even_reward):
-    """Prompts and completions of varying lengths, micro-batches of 4 and a remainder, the
-    reference model's log-probs: every graph of the update is made by the first steps."""
+def test_a_bucketed_compiled_update_compiles_each_bucket_once(tiny_dir, tmp_path, even_reward):
+    """Prompts and completions of varying lengths (the completions cut to another length each
+    step), micro-batches of 4 and a remainder, the reference model's log-probs, two length
+    buckets per dimension: a graph is made only in a step that meets a new bucket, one per
+    bucket and grad mode met, and the shapes met are among the buckets'."""
     model, tok = load_pretrained(tiny_dir, device="cpu")
-    config = GRPOConfig(steps=6, prompts_per_step=2, num_rollouts=3, max_new_tokens=8,
+    config = GRPOConfig(steps=6, prompts_per_step=2, num_rollouts=3, max_new_tokens=16,
                         micro_batch_size=4, beta=0.05, skip_zero_advantage=False,
                         eval_every=0, eval_examples=1, sample_every=0, seed=3,
                         output_dir=str(tmp_path / "run"), progress=False, compile=False,
-                        compile_update=True)
-    assert training.update_shape(config, tok, TRAIN, grpo.render_prompt).rows == 4
+                        compile_update=True, update_buckets=2)
+    shape = training.update_shape(config, tok, TRAIN, grpo.render_prompt)
+    assert (shape.row_sizes(), shape.completion_sizes()) == ((2, 4), (8, 16))
+    widths = iter([16, 16, 6, 16, 12, 5])  # step 3 meets the 8-column bucket first
     counters.clear()
-    graphs, prompt_lens = {}, set()
-    spy = _spy_rollouts(lambda model, batch: prompt_lens.add(batch.prompt_len))
+    graphs, met, prompt_lens = {}, {}, set()
+    step = [0]
 
-    def hook(phase, step):
+    def cut_rollouts(*args, **kwargs):
+        batch = collect_rollouts(*args, **kwargs)
+        prompt_lens.add(batch.prompt_len)
+        return batch.cut(batch.size, min(next(widths), batch.completion_mask.shape[1]))
+
+    def spy_pad(input_ids, attention_mask, prompt_len, shape, pad_id=0):
+        out = pad_pristine(input_ids, attention_mask, prompt_len, shape, pad_id)
+        met.setdefault((out[0].shape, torch.is_grad_enabled()), step[0])
+        return out
+
+    def hook(phase, s):
         if phase == "rollouts":
-            graphs[step] = counters["stats"]["unique_graphs"]
+            step[0] = s
+            graphs[s] = counters["stats"]["unique_graphs"]
 
+    pad_pristine = grpo.pad_to_shape
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(training, "collect_rollouts", spy)
+        mp.setattr(training, "collect_rollouts", cut_rollouts)
+        mp.setattr(grpo, "pad_to_shape", spy_pad)
         train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", config, reward_fn=even_reward,
                    phase_hook=hook)
+    graphs[7] = counters["stats"]["unique_graphs"]
     assert not dict(grpo._BLOCK_COMPILE_FAILURES)  # the policy's and the reference's blocks
-    assert len(prompt_lens) > 1  # the steps' batches had different shapes
-    assert graphs[2] > 0 and not counters["graph_break"]
-    assert graphs[4] == graphs[5] == graphs[6] == counters["stats"]["unique_graphs"], graphs
+    assert len(prompt_lens) > 1 and not counters["graph_break"]
+    new_keys = {s: sum(first == s for first in met.values()) for s in range(1, 7)}
+    assert new_keys[1] > 0 and new_keys[3] > 0, met  # step 3: the 8-column bucket
+    for s in range(1, 7):  # graphs only where a step met a new (shape, grad mode)
+        assert (graphs[s + 1] > graphs[s]) == (new_keys[s] > 0), (graphs, met)
+    shapes_met = {shape for shape, _ in met}
+    assert len(shapes_met) <= shape.shape_count()
+    assert graphs[7] == len(met), (graphs, met)  # one graph per bucket and grad mode
 
 
 def _spy_rollouts(check):
@@ -201,6 +265,9 @@ def test_the_defaults_per_device():
         GRPOConfig(fsdp=True, compile_update=True)
     with pytest.raises(ValueError, match="sampler_dtype must be one of"):
         GRPOConfig(sampler_dtype="float16")
+    with pytest.raises(ValueError, match="update_buckets must be >= 1"):
+        GRPOConfig(update_buckets=0)
+    assert config.update_buckets == 4
 
 
 def test_bfloat16_autocast_keeps_fp32_weights_and_a_close_loss(model_tok, even_reward):
@@ -267,3 +334,32 @@ def test_the_benchmark_times_the_compiled_update_against_eager(monkeypatch):
                 "--interleave-update", "1"])
     assert set(out["tiny"]) == {"eager", "compiled"}
     assert all(wall > 0 and cpu > 0 for wall, cpu in out["tiny"].values())
+    out = main(["--prompts", "2", "--G", "2", "--max-new-tokens", "16", "--threads", "1",
+                "--interleave-update", "1", "--vary-lengths", "2", "--update-buckets", "2",
+                "--beta", "0"])
+    assert set(out["tiny"]) == {"eager", "compiled", "bucketed"}
+    assert all(wall > 0 and cpu > 0 for wall, cpu in out["tiny"].values())
+
+
+def test_the_benchmark_cuts_batches_like_a_training_run():
+    """--vary-lengths: 30-80% of the groups' rows, the longest completion at 67-92% of the
+    budget, every row's mask a prefix no longer than it, one row at full width."""
+    root = Path(__file__).resolve().parents[1]
+    bench = runpy.run_path(str(root / "benchmarks" / "bench_grpo_step.py"),
+                           run_name="bench_grpo_step")
+    B, P, T = 16 * 8, 5, 112
+    full = grpo.RolloutBatch(torch.arange(B * (P + T)).reshape(B, P + T), None, P,
+                             torch.ones(B, T, dtype=torch.bool), torch.zeros(B),
+                             torch.zeros(16, 8))
+    args = argparse.Namespace(vary_lengths=5, prompts=16, G=8, max_new_tokens=T)
+    batches = bench["varied_batches"](full, args)
+    assert len(batches) == 5
+    for b in batches:
+        width = b.completion_mask.shape[1]
+        assert b.size % 8 == 0 and 5 * 8 <= b.size <= 13 * 8
+        assert 0.67 * T - 1 <= width <= 0.92 * T and b.input_ids.shape[1] == P + width
+        assert torch.equal(b.input_ids, full.input_ids[:b.size, :P + width])
+        assert b.completion_mask[0].all()
+        lengths = b.completion_mask.sum(1)  # each mask a prefix of its row
+        assert torch.equal(b.completion_mask, torch.arange(width) < lengths[:, None])
+        assert (lengths >= width // 8).all()
