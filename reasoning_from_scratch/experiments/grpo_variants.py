@@ -47,6 +47,7 @@ from .stats import (
     resume_point,
     settings_diff,
     stat,
+    with_added_defaults,
 )
 
 # The shared settings of every arm (GRPOConfig overrides): 60 steps x 8 prompts x 8 rollouts.
@@ -127,9 +128,10 @@ def _run_one(arm, seed, shared, data, model, tokenizer, train, held_out, device,
     done = run_dir / "figures.json"
     if done.is_file():
         saved = json.loads(done.read_text())
-        if saved["settings"] != settings:
+        before = with_added_defaults(saved["settings"], settings)
+        if before != settings:
             raise SystemExit(f"{run_dir} was run with other settings "
-                             f"({settings_diff(saved['settings'], settings)}); use another "
+                             f"({settings_diff(before, settings)}); use another "
                              "--output-dir, or delete that run directory to rerun it")
         return saved["figures"]
     resume = resume_point(run_dir, settings)

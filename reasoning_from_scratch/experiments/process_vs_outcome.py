@@ -105,6 +105,7 @@ from .stats import (
     resume_point,
     settings_diff,
     stat,
+    with_added_defaults,
 )
 from .stats import format_value as _opt  # short: the table lines are long
 
@@ -395,8 +396,9 @@ def _run_one(config, settings, base_model, tokenizer, train, held_out, device, b
     run_dir = Path(config.output_dir)
     done = _load_curve(run_dir)
     if done is not None:
-        if done.get("settings") != settings:
-            changed = settings_diff(done.get("settings") or {}, settings)
+        saved = with_added_defaults(done.get("settings") or {}, settings)
+        if saved != settings:
+            changed = settings_diff(saved, settings)
             raise SystemExit(f"{run_dir} was run with other settings ({changed}); use another "
                              "--output-dir, or delete that run directory to rerun it")
         return done

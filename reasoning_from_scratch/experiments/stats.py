@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from ..checkpoints import find_checkpoint
 from ..evaluation import evaluate_policy
 from ..files import atomic_write_json
+from ..training import GRPOConfig
 
 SETTINGS_FILE = "settings.json"
 
@@ -153,6 +155,27 @@ def settings_diff(a, b):
                      if k not in a or k not in b or a[k] != b[k])
 
 
+def field_defaults(config_cls) -> dict:
+    """Each field's default of a config dataclass, as it reads back from JSON."""
+    return json.loads(json.dumps({
+        f.name: f.default if f.default is not MISSING else f.default_factory()
+        for f in fields(config_cls)
+        if f.default is not MISSING or f.default_factory is not MISSING}))
+
+
+# The GRPO settings a run made before a field existed is taken to have had (`with_added_defaults`)
+GRPO_DEFAULTS = field_defaults(GRPOConfig)
+
+
+def with_added_defaults(saved: dict, current: dict, defaults: dict = GRPO_DEFAULTS) -> dict:
+    """A finished run's `saved` settings, with each key that `current` has and `saved` lacks set
+    to that setting's default: a field is added with a default that does what runs did before
+    it existed (`--activation-checkpointing` off, the sampler in the weights' dtype on the CPU),
+    so a run made earlier counts as made with it and stays reusable; a run asked for with
+    another value does not match."""
+    return {**{k: defaults[k] for k in current if k not in saved and k in defaults}, **saved}
+
+
 def resume_point(run_dir, settings):
     """Where an unfinished run of an experiment starts: its latest intact checkpoint when the
     directory holds a run with the same settings, else None after clearing the directory (a
@@ -161,7 +184,8 @@ def resume_point(run_dir, settings):
     resume = None
     if run_dir.exists():
         try:
-            same = json.loads((run_dir / SETTINGS_FILE).read_text()) == settings
+            saved = json.loads((run_dir / SETTINGS_FILE).read_text())
+            same = with_added_defaults(saved, settings) == settings
             resume = find_checkpoint(run_dir) if same else None
         except (FileNotFoundError, ValueError):  # no settings, no intact checkpoint
             resume = None
