@@ -156,9 +156,16 @@ def shutdown_distributed(timeout_s: float = LEAVE_TIMEOUT_S) -> None:
     GIL to release their Python objects; if that happens while the interpreter shuts down, the
     thread is ended inside C++ code that cannot unwind, and the process aborts with the same
     message. So the group's last references are collected here, while the interpreter still
-    runs (its threads then stop, joined by the backend's destructor), and a group that
-    something else still holds gets LEAVE_GRACE_S seconds, with the GIL released, for its
-    threads to finish what they hold.
+    runs, and a group that something else still holds gets LEAVE_GRACE_S seconds, with the GIL
+    released, for its threads to finish what they hold.
+
+    Why the last reference is this function's own: the backend's destructor waits for its
+    worker threads, and one of them may still be waiting for the GIL to release a finished
+    collective's tensors. A DDP reducer dropping the last reference keeps the GIL while that
+    destructor waits: a deadlock (seen: the main thread in ~Reducer -> ~ProcessGroupGloo, a
+    worker in ~AsyncAllgatherWork waiting for the GIL). torch drops a Python reference to a
+    group with the GIL released, so the collection runs while `group` still holds the backend,
+    and `del group` stops it.
     """
     if not is_distributed():
         return
@@ -167,9 +174,10 @@ def shutdown_distributed(timeout_s: float = LEAVE_TIMEOUT_S) -> None:
             _meet(timeout_s)
         except RuntimeError:  # someone did not come in time: leave without them
             pass
-    threads = _os_thread_count()
+    group, threads = dist.group.WORLD, _os_thread_count()
     dist.destroy_process_group()
-    gc.collect()  # a model and its hooks form cycles: collected now, they drop the group
+    gc.collect()  # a model, its hooks, a DDP reducer: freed now; `group` keeps the backend
+    del group  # if this was the last reference, the backend stops here, GIL released
     if threads is None or _os_thread_count() >= threads:  # its threads still run
         time.sleep(LEAVE_GRACE_S)  # GIL released: they finish what they hold
 

@@ -39,6 +39,15 @@ def atomic_path(path: PathLike) -> Iterator[Path]:
         raise
 
 
+def remove_stale_temp_files(directory: PathLike) -> list[Path]:
+    """Remove the temp files that `atomic_path` left in `directory` when its process was killed
+    mid-write (".<name>.<random>.tmp"; the file they were for is whole); returns them."""
+    stale = [p for p in Path(directory).glob(".*.tmp") if p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
 def atomic_write_bytes(path: PathLike, data: bytes) -> None:
     """Write bytes to `path` atomically (fsync'd temp file + rename)."""
     with atomic_path(path) as tmp:

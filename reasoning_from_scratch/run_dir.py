@@ -44,7 +44,7 @@ from .distributed import (
     run_on_main,
     world_size,
 )
-from .files import atomic_write_json
+from .files import atomic_write_json, remove_stale_temp_files
 from .fsdp import refresh_replica, save_sharded
 from .interrupts import (
     defer_interrupts,
@@ -122,6 +122,7 @@ class RunDir:
         """`open_logs` on rank 0."""
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / STOPPED_FILE).unlink(missing_ok=True)  # running again
+        remove_stale_temp_files(self.out)  # a kill -9 during a write leaves its temp file
         self.log = MetricsLog(self.out / "metrics.csv", self.columns,
                               keep_upto=self.completed if resumed else None)
         if not resumed:

@@ -438,3 +438,13 @@ def test_truncate_samples_drops_a_half_written_last_line(tmp_path):
     with pytest.warns(UserWarning, match="samples.jsonl: dropped a truncated last line"):
         truncate_samples(path, 2)
     assert path.read_text() == '{"step": 1, "text": "a"}\n{"step": 2, "text": "b"}\n'
+
+
+def test_the_temp_file_of_a_killed_write_is_removed_when_the_run_opens_again(tmp_path):
+    (tmp_path / "metrics.csv").write_text("step\n1\n")
+    stale = tmp_path / ".metrics.csv.k3j2x9.tmp"  # what atomic_path leaves after a kill -9
+    stale.write_text("step\n1\n2")
+    (tmp_path / "notes.tmp").write_text("not ours")  # not an atomic_path name: kept
+    assert files.remove_stale_temp_files(tmp_path) == [stale]
+    assert not stale.exists() and (tmp_path / "notes.tmp").exists()
+    assert (tmp_path / "metrics.csv").read_text() == "step\n1\n"
