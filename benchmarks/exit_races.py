@@ -13,7 +13,8 @@ program still races, by running each of them `--runs` times:
   and chapters/ch09_distill.py, with and without --fsdp, at tiny settings (bundled model).
 
 A run counts as an abort when a process died of a signal or C++'s terminate ran (the text in
-stderr); as another failure when it exited non-zero otherwise. Not a test (it takes minutes):
+stderr); as hung when it still runs after its timeout (its processes are then killed); as
+another failure when it exited non-zero otherwise. Not a test (it takes minutes):
 tests/test_process_group.py runs three targets once.
 
     python benchmarks/exit_races.py --runs 50
@@ -105,20 +106,31 @@ def classify(proc) -> str:
     return "ok" if proc.returncode == 0 else "failed"
 
 
+def _run_once(name, tmp: Path) -> tuple[str, str]:
+    """(kind, stderr) of one run of a target: kind "ok", "abort", "failed" or "hung" (still
+    running after its timeout; its processes, whose command lines name `tmp`, are killed)."""
+    try:
+        proc = TARGETS[name](tmp)
+    except subprocess.TimeoutExpired as err:
+        subprocess.run(["pkill", "-9", "-f", str(tmp)], check=False)  # workers left behind
+        stderr = err.stderr.decode() if isinstance(err.stderr, bytes) else err.stderr or ""
+        return "hung", f"{stderr}\n(still running after {err.timeout} s)"
+    return classify(proc), proc.stderr
+
+
 def run_target(name, runs):
-    """{"ok", "abort", "failed": counts, "seconds", "last_error"} of `runs` runs of a target."""
-    counts = {"ok": 0, "abort": 0, "failed": 0, "seconds": 0.0, "last_error": ""}
-    for _ in range(runs):
+    """{"ok", "abort", "failed", "hung": counts, "seconds", "last_error"} of `runs` runs of a
+    target."""
+    counts = {"ok": 0, "abort": 0, "failed": 0, "hung": 0, "seconds": 0.0, "last_error": ""}
+    for i in range(runs):
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.time()
-            proc = TARGETS[name](Path(tmp))
+            kind, stderr = _run_once(name, Path(tmp))
             counts["seconds"] += time.time() - t0
-        kind = classify(proc)
         counts[kind] += 1
         if kind != "ok":  # shown at once: a rare abort's stderr is what explains it
-            counts["last_error"] = proc.stderr[-2000:]
-            print(f"--- {name}, run {sum(counts[k] for k in ('ok', 'abort', 'failed'))}: "
-                  f"{kind}, stderr ---\n{proc.stderr[-6000:]}", flush=True)
+            counts["last_error"] = stderr[-2000:]
+            print(f"--- {name}, run {i + 1}: {kind}, stderr ---\n{stderr[-6000:]}", flush=True)
     return counts
 
 
@@ -130,10 +142,10 @@ def main(argv=None):
                    help="which programs to run")
     args = p.parse_args(argv)
     results = {}
-    print(f"{'target':22}{'runs':>6}{'ok':>6}{'aborts':>8}{'failed':>8}{'s/run':>8}")
+    print(f"{'target':22}{'runs':>6}{'ok':>6}{'aborts':>8}{'failed':>8}{'hung':>6}{'s/run':>8}")
     for name in args.targets:
         r = results[name] = run_target(name, args.runs)
-        print(f"{name:22}{args.runs:6}{r['ok']:6}{r['abort']:8}{r['failed']:8}"
+        print(f"{name:22}{args.runs:6}{r['ok']:6}{r['abort']:8}{r['failed']:8}{r['hung']:6}"
               f"{r['seconds'] / args.runs:8.1f}", flush=True)
     for name, r in results.items():
         if r["last_error"]:

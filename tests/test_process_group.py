@@ -186,6 +186,15 @@ def test_exit_races_counts_aborts_and_runs_each_target_once():
     assert exit_races.classify(done([], -6, "", "")) == "abort"
     assert exit_races.classify(done([], 1, "", "terminate called without an active "
                                                "exception")) == "abort"
+
+    def stuck(tmp):
+        raise subprocess.TimeoutExpired(["torchrun"], 300, stderr=b"still decoding")
+    exit_races.TARGETS["stuck"] = stuck
+    try:
+        kind, stderr = exit_races._run_once("stuck", Path("/nonexistent/exit-races-test"))
+    finally:
+        del exit_races.TARGETS["stuck"]
+    assert kind == "hung" and "still decoding" in stderr and "after 300 s" in stderr
     results = exit_races.main(["--runs", "1", "--targets", "helpers-worker", "distill-worker",
                                "ch09-fsdp"])
     assert {name: r["ok"] for name, r in results.items()} == {
