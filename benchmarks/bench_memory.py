@@ -9,13 +9,16 @@ Qwen3-0.6B-shaped model in float32 (the CPU's dtypes), the reference a deep copy
 (now beside the first one's gradients and AdamW moments). The peak is the maximum resident set
 size above what the process held after its imports; "predicted" is
 `memory.memory_per_process(..., device="cpu")` for the same shapes. Sharded cases run `--fsdp`'s
-code (`fsdp.shard_with_replica`) in a process group of one: two processes of this shape would
-not fit this machine's memory. Not a test: the seconds depend on the machine and what else
-runs on it; the update's CPU seconds (one thread) are less sensitive to other jobs than its
-wall seconds, and the ratio of the two, measured in one invocation, is the figure.
+code (`fsdp.shard_with_replica`) in a process group of one, or of `--processes` Gloo processes
+under torchrun (each its share of the rollout rows; the largest process's peak is reported:
+two processes of the 0.6B shape hold ~20 GB together). Not a test: the seconds depend on the
+machine and what else runs on it; the update's CPU seconds (one thread) are less sensitive to
+other jobs than its wall seconds, and the ratio of the two, measured in one invocation, is the
+figure.
 
     python benchmarks/bench_memory.py                       # both layouts, ckpt off and on
     python benchmarks/bench_memory.py --cases replicated    # one layout
+    python benchmarks/bench_memory.py --cases sharded --processes 2   # 2 Gloo processes
     python benchmarks/bench_memory.py --shape tiny          # the bundled model's shape (seconds)
 """
 
@@ -39,6 +42,7 @@ from reasoning_from_scratch.validation import positive_int
 
 SHAPES = {"0.6B": QWEN3_0_6B_CONFIG, "tiny": tiny_config()}
 LAYOUTS = ("replicated", "sharded")
+CASE_LINE = "BENCH_MEMORY_CASE "  # a worker's result line (torchrun mixes the processes' output)
 
 
 def _max_rss_bytes() -> int:
@@ -58,10 +62,11 @@ def fixed_batch(cfg, rows, prompt, answer) -> RolloutBatch:
 
 
 def predicted(spec) -> dict[str, int]:
-    """memory_per_process for a case (the CPU's dtypes, one process)."""
+    """memory_per_process for a case (the CPU's dtypes; kv_rows rollout rows per process)."""
+    processes = spec.get("processes", 1)
     return memory_per_process(
-        SHAPES[spec["shape"]], 1, spec["layout"] == "sharded", device="cpu",
-        reference=spec["reference"], rollout_rows=spec["kv_rows"],
+        SHAPES[spec["shape"]], processes, spec["layout"] == "sharded", device="cpu",
+        reference=spec["reference"], rollout_rows=spec["kv_rows"] * processes,
         rollout_tokens=spec["kv_tokens"], micro_batch_rows=spec["rows"],
         sequence_tokens=spec["prompt"] + spec["answer"],
         answer_tokens=spec["rows"] * spec["answer"], chunk_size=spec["chunk_size"],
@@ -69,10 +74,11 @@ def predicted(spec) -> dict[str, int]:
 
 
 def worker(spec) -> dict:
-    """One case, in this process: build, update, roll out, update; peak and update seconds."""
+    """One case, in this process (one of torchrun's, when sharded over several): build,
+    update, roll out, update; peak and update seconds."""
     torch.set_num_threads(1)
     sharded = spec["layout"] == "sharded"
-    if sharded:
+    if sharded:  # under torchrun: the launched group; else a group of this process alone
         distributed.init_distributed(torch.device("cpu"), group_of_one=True)
     cfg = SHAPES[spec["shape"]]
     base = _max_rss_bytes()
@@ -105,26 +111,35 @@ def worker(spec) -> dict:
                 cache = KVCache(cfg.num_hidden_layers)
                 policy(kv_ids, cache=cache, last_only=True)
                 del cache
-    out = {"peak_bytes": _max_rss_bytes() - base, "update_s": seconds,
-           "update_cpu_s": cpu_seconds}
+    out = {"rank": distributed.rank(), "peak_bytes": _max_rss_bytes() - base,
+           "update_s": seconds, "update_cpu_s": cpu_seconds}
     distributed.shutdown_distributed()
     return out
 
 
 def run_case(spec) -> dict:
-    """`worker(spec)` in a fresh process (its own peak); refuses when the machine's free memory
-    is below the prediction plus 2 GB (the case would push others out)."""
-    need = predicted(spec)["total"] + 2 * GB
+    """`worker(spec)` in fresh processes (their own peaks; torchrun when `spec["processes"]` >
+    1): the process with the largest peak, and every process's peak. Refuses when the machine's
+    free memory is below the predictions plus 2 GB (the case would push others out)."""
+    processes = spec.get("processes", 1)
+    need = processes * predicted(spec)["total"] + 2 * GB
     free = _available_bytes()
     if free is not None and free < need:
         raise SystemExit(f"{spec['layout']}: needs ~{need / GB:.1f} GB, {free / GB:.1f} GB "
-                         "available; free memory or pick --cases / smaller --rows")
-    res = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
+                         "available; free memory or pick --cases / --processes / smaller --rows")
+    launch = [sys.executable] if processes == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+        str(processes)]
+    res = subprocess.run([*launch, __file__, "--worker", json.dumps(spec)],
                          capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if res.returncode:
+    rows = [json.loads(line[len(CASE_LINE):]) for line in res.stdout.splitlines()
+            if line.startswith(CASE_LINE)]
+    if res.returncode or len(rows) != processes:
         raise RuntimeError(f"case {spec} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    largest = max(rows, key=lambda r: r["peak_bytes"])
+    return {**largest, "peaks_bytes": [r["peak_bytes"] for r in sorted(rows,
+                                                                        key=lambda r: r["rank"])]}
 
 
 def _available_bytes() -> int | None:
@@ -140,8 +155,8 @@ def _available_bytes() -> int | None:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:  # one case, in the process run_case started
-        print(json.dumps(worker(json.loads(argv[1]))), flush=True)
+    if argv[:1] == ["--worker"]:  # one case, in a process run_case started
+        print(CASE_LINE + json.dumps(worker(json.loads(argv[1]))), flush=True)
         return None
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -156,18 +171,25 @@ def main(argv=None):
     p.add_argument("--kv-tokens", type=positive_int, default=256, help="rollout positions")
     p.add_argument("--chunk-size", type=positive_int, default=1024, help="lm_head chunk")
     p.add_argument("--no-reference", action="store_true", help="beta = 0: no reference model")
+    p.add_argument("--processes", type=positive_int, default=1,
+                   help="Gloo processes of the sharded cases (torchrun when more than 1; a "
+                        "replicated process holds the same whatever their number)")
     args = p.parse_args(argv)
+    if args.processes > 1 and "replicated" in args.cases:
+        p.error("--processes applies to the sharded cases: pass --cases sharded")
     results = []
     for layout in args.cases:
         for ckpt in (False, True):
             spec = {"shape": args.shape, "layout": layout, "checkpointing": ckpt,
                     "reference": not args.no_reference, "rows": args.rows,
                     "prompt": args.prompt, "answer": args.answer, "kv_rows": args.kv_rows,
-                    "kv_tokens": args.kv_tokens, "chunk_size": args.chunk_size}
+                    "kv_tokens": args.kv_tokens, "chunk_size": args.chunk_size,
+                    "processes": args.processes}
             got, want = run_case(spec), predicted(spec)
             results.append({**spec, **got, "predicted": want})
-    print(f"{args.shape} shape, float32 on the CPU, one process; update of {args.rows} x "
-          f"({args.prompt} + {args.answer}) tokens, rollouts {args.kv_rows} x {args.kv_tokens}, "
+    print(f"{args.shape} shape, float32 on the CPU, {args.processes} process(es), the largest "
+          f"peak shown; update of {args.rows} x ({args.prompt} + {args.answer}) tokens, "
+          f"rollouts {args.kv_rows} x {args.kv_tokens} per process, "
           f"reference: {not args.no_reference}")
     print(f"{'case':28}{'predicted GB':>14}{'measured GB':>13}{'meas / pred':>13}"
           f"{'update s':>10}{'update CPU s':>14}")

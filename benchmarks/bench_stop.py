@@ -11,7 +11,8 @@ the rollouts being abandoned (the stop raised, on the slowest process) and to th
 and `stopped` file being written (every process past the save). The checkpoint after the
 first step's rollouts holds the weights and RNG states (AdamW has no state yet); a later
 `--signal-step` adds the AdamW moments (2x the weights) but needs the memory of an update
-(~10 GB per process at the 0.6B shape; `--fsdp`: the sharded run, ~7 GB per process at N = 2).
+(at the 0.6B shape ~12 GB per process replicated; `--fsdp`, the sharded run: ~10 GB per process
+at N = 2, measured together 20.3 GB).
 The checkpoint's size is printed too. Not a test: the figures depend on the machine and on
 what else runs on it.
 

@@ -187,3 +187,25 @@ def test_bench_memory_measures_and_predicts_each_case(monkeypatch):
         # the tiny model may not lift the peak above the imports' own: >= 0
         assert r["peak_bytes"] >= 0 and len(r["update_s"]) == len(r["update_cpu_s"]) == 2
         assert r["predicted"]["total"] == bench_memory.predicted(r)["total"] > 0
+
+
+def test_bench_memory_runs_the_sharded_case_in_two_processes(monkeypatch):
+    """`--processes 2`: torchrun's two Gloo processes each report a peak; the prediction is the
+    formula's for a group of two with their rollout rows together."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import bench_memory
+    args = ["--shape", "tiny", "--cases", "sharded", "--rows", "2", "--prompt", "8",
+            "--answer", "8", "--kv-rows", "2", "--kv-tokens", "16", "--no-reference"]
+    out = bench_memory.main([*args, "--processes", "2"])
+    assert [r["checkpointing"] for r in out] == [False, True]
+    for r in out:
+        assert r["processes"] == 2 and len(r["peaks_bytes"]) == 2
+        assert r["peak_bytes"] == max(r["peaks_bytes"])
+        want = memory_per_process(tiny_config(), 2, True, device="cpu", reference=False,
+                                  rollout_rows=4, rollout_tokens=16, micro_batch_rows=2,
+                                  sequence_tokens=16, answer_tokens=16, chunk_size=1024,
+                                  activation_checkpointing=r["checkpointing"])
+        assert r["predicted"] == want
+    # a replicated process holds the whole model whatever the count: refused, not mislabelled
+    with pytest.raises(SystemExit):
+        bench_memory.main(["--shape", "tiny", "--processes", "2"])
