@@ -182,9 +182,13 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
     any number of processes.
     """
     config, out, hook = start_run(config, resume_from, overwrite, phase_hook)
+    if not records:
+        raise ValueError("no traces to train on: the list of records is empty (did the "
+                         "teacher's sampling keep no verified trace?)")
     train_recs, val_recs = split_traces(records, config.val_fraction, config.seed)
     if not train_recs:
-        raise ValueError("no traces to train on (every trace was held back for validation)")
+        raise ValueError(f"no traces to train on: all {len(records)} were held back for "
+                         f"validation (val_fraction {config.val_fraction})")
     train_docs = traces_to_documents(train_recs, prompt_fn)
     val_docs = traces_to_documents(val_recs, prompt_fn)
     eval_set = list(eval_examples)[:config.eval_examples]

@@ -308,6 +308,16 @@ def _distill(tiny_dir, config, resume_from=None, hook=None):
                               resume_from=resume_from, phase_hook=hook)
 
 
+def test_train_distillation_says_why_there_is_nothing_to_train_on(tiny_dir, tmp_path):
+    """No records at all, and records that the validation split took whole, are two errors."""
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    with pytest.raises(ValueError, match="the list of records is empty"):
+        train_distillation(model, tok, [], HELD_OUT, "cpu", _distill_config(tmp_path / "a"))
+    with pytest.raises(ValueError, match="all 1 were held back for validation"):
+        train_distillation(model, tok, TRACES[:1], HELD_OUT, "cpu",
+                           _distill_config(tmp_path / "b", val_fraction=0.75))
+
+
 def _distill_outcome(run_dir):
     rows = [{k: v for k, v in r.items() if k not in ("step_s", "train_s")}
             for r in read_metrics(run_dir / "metrics.csv")]
@@ -501,6 +511,24 @@ def _accept_every_sample(monkeypatch):
         return groups
     monkeypatch.setattr(distillation, "sample_rollouts_batch", finished)
     monkeypatch.setattr(distillation, "verify_trace", lambda *a, **k: True)
+
+
+def test_ch09_distill_vs_rl_without_verified_traces_exits_clearly(tiny_dir, tmp_path,
+                                                                    monkeypatch):
+    """A teacher whose every sample fails verification: an error naming the arm, the samples and
+    the flags to change; no traces file, so a rerun samples again."""
+    monkeypatch.setattr(distillation, "verify_trace", lambda *a, **k: False)
+    main = runpy.run_path(str(ROOT / "chapters" / "ch09_distill_vs_rl.py"),
+                          run_name="ch09_compare")["main"]
+    out = tmp_path / "compare"
+    with pytest.raises(SystemExit) as end:
+        main(["--teacher", str(tiny_dir), "--student", str(tiny_dir), "--seeds", "0",
+              "--arms", "distill", "--train-examples", "2", "--num-samples", "2",
+              "--eval-examples", "2", "--max-new-tokens", "4", "--output-dir", str(out),
+              "--threads", "1", "--device", "cpu"])
+    assert str(end.value.code).startswith("error: distill, seed 0: the teacher")
+    assert "no verified trace in 4 samples of 2 problems" in str(end.value.code)
+    assert not (out / "distill-seed0" / "traces.jsonl").exists()
 
 
 def test_ch09_distill_vs_rl_tiny_run(tiny_dir, tmp_path, monkeypatch):

@@ -155,6 +155,11 @@ def run_distill_arm(arm, seed, settings, teacher_source, student, tokenizer, tra
             temperature=settings["teacher_temperature"], max_new_tokens=settings["max_new_tokens"],
             check_steps=settings["check_steps"], seed=seed, teacher_name=teacher_source,
             progress=False)
+        if not records:  # nothing written: a rerun samples again
+            raise SystemExit(f"error: {arm}, seed {seed}: the teacher {teacher_source} gave no "
+                             f"verified trace in {stats['samples']} samples of "
+                             f"{stats['problems']} problems; raise --num-samples or "
+                             "--train-examples, or pass --no-check-steps")
         write_traces(records, run_dir / "traces.jsonl")
         atomic_write_json(run_dir / "generation.json", stats)  # last: marks the traces complete
     summary = train_distillation(copy.deepcopy(student), tokenizer, records, held_out, device,
