@@ -87,7 +87,8 @@ def add_config_arguments(parser, defaults: GRPOConfig, helps: dict | None = None
 
 def add_report_argument(parser, default=(), help=CONFIG_HELP["report_to"]):
     """--report-to: the live logging backends of tracking.py, comma-separated (default none)."""
-    parser.add_argument("--report-to", type=report_arg, default=tuple(default),
+    # a string default: argparse converts it with `type` (to a tuple) and --help shows it as given
+    parser.add_argument("--report-to", type=report_arg, default=",".join(default) or "none",
                         metavar="{" + ",".join(REPORT_CHOICES) + "}", help=help)
 
 
@@ -222,7 +223,6 @@ def resolve_run(parser, args, argv, run_prefix):
             data["train_level_weights"] = None  # the level mix is the arithmetic world's default
         config = GRPOConfig.from_dict(values)
         check_fsdp_run(config.fsdp, ckpt)
-        check_report_backends(parser, config.report_to)
         check_report_backends(parser, config.report_to)
         if env_world_size() > config.prompts_per_step:
             raise ValueError(f"{env_world_size()} processes need --prompts-per-step >= "
