@@ -37,6 +37,7 @@ fsdp.py shards them instead (`--fsdp`), reusing these helpers for everything but
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -316,6 +317,13 @@ class _Methods(nn.Module):
         return getattr(self.model, method)(*args, **kwargs)
 
 
+# DDP's option for "no buffer broadcast before each forward": `forward_sync_buffers=False` where
+# torch has it (2.13); older torch (2.11, the GPU machines' image) calls it broadcast_buffers.
+NO_FORWARD_BUFFER_SYNC = {
+    "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(
+        DistributedDataParallel.__init__).parameters else "broadcast_buffers": False}
+
+
 class Replicated:
     """A replicated model seen through `DistributedDataParallel`: calling it, or its
     `forward_hidden`, runs through DDP; every other attribute (`lm_head`, `cfg`, the blocks) is
@@ -331,7 +339,7 @@ class Replicated:
         self.group = dist.group.WORLD
         # buffers (RoPE tables) are the same everywhere: synced once when DDP starts (as the
         # weights are), not broadcast again before each forward
-        self.ddp = DistributedDataParallel(_Methods(model), forward_sync_buffers=False)
+        self.ddp = DistributedDataParallel(_Methods(model), **NO_FORWARD_BUFFER_SYNC)
         self.ddp.register_comm_hook(None, _sum_hook)
 
     def __call__(self, *args, **kwargs):

@@ -78,9 +78,13 @@ except ImportError as err:  # torch without FSDP2 (or without torch.distributed)
     FSDPModule = MixedPrecisionPolicy = DTensor = None
     _IMPORT_ERROR = err
 
-# The FSDPModule setters `shard_model` calls (sum reduction, unused parameters).
-FSDP2_SETTERS = ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms",
-                 "set_reduce_scatter_unused_params")
+# The FSDPModule setters `shard_model` needs (gradients reduced as plain sums).
+FSDP2_SETTERS = ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
+# The setter `shard_model` calls where torch has it (torch 2.11 does not): a parameter one process
+# did not use contributes zeros instead of skipping a collective. The package's loss paths use
+# every parameter anyway (`grpo.sequence_logprob_and_entropy` builds its zero loss through the
+# head, a process without rows runs `dummy_backward`), so without it sharded runs are unchanged.
+UNUSED_PARAMS_SETTER = "set_reduce_scatter_unused_params"
 
 # The sharded model and optimizer of a checkpoint (a DCP directory: one file per process plus
 # .metadata); the rest of the checkpoint is checkpoints.py's (trainer_state.json, HF weights).
@@ -132,9 +136,8 @@ def shard_model(model, mp_policy: MixedPrecisionPolicy | None = None):
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum over processes, not the mean
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (Gloo has no PREMUL)
-            # a parameter one process did not use this time (an untied lm_head after a
-            # micro-batch without answer tokens) contributes zeros, not a missing collective
-            module.set_reduce_scatter_unused_params(True, recurse=False)
+            if hasattr(module, UNUSED_PARAMS_SETTER):  # a safety net where torch has it
+                getattr(module, UNUSED_PARAMS_SETTER)(True, recurse=False)
     return model
 
 

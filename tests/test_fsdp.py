@@ -116,7 +116,9 @@ def test_transformers_loads_final(runs):
 
 # One update of the bundled model on a fixed batch of 8 rollouts in micro-batches of 3: rank 0
 # holds every row (3 passes), rank 1 none (3 zero-weighted passes); rank 0 saves the weights.
-# argv[3]: "fsdp" (sharded) or "replicas" (torch's DDP, `distributed.data_parallel`).
+# argv[3]: "fsdp" (sharded), "fsdp-without-unused-setter" (sharded on a torch without
+# FSDPModule.set_reduce_scatter_unused_params, as torch 2.11) or "replicas" (torch's DDP,
+# `distributed.data_parallel`).
 UNEVEN_WORKER = r"""
 import sys
 from dataclasses import replace
@@ -127,7 +129,9 @@ sys.path.insert(0, sys.argv[2])
 from test_fsdp import fixed_batch
 distributed.init_distributed(torch.device("cpu"))
 model, batch, config = fixed_batch()
-sharded = sys.argv[3] == "fsdp"
+sharded = sys.argv[3].startswith("fsdp")
+if sys.argv[3] == "fsdp-without-unused-setter":
+    delattr(fsdp.FSDPModule, fsdp.UNUSED_PARAMS_SETTER)
 if sharded:
     fsdp.shard_model(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
@@ -167,10 +171,11 @@ def launch_uneven(tmp_path, how="fsdp"):
     return res, out
 
 
-@pytest.mark.parametrize("how", ["fsdp", "replicas"])
+@pytest.mark.parametrize("how", ["fsdp", "fsdp-without-unused-setter", "replicas"])
 def test_a_process_without_rows_keeps_the_others_company(tmp_path, how):
     """Uneven micro-batch counts (8 rows against none) meet in every collective, sharded or
-    replicated, and the update is the one-process update on the whole batch."""
+    replicated, and the update is the one-process update on the whole batch; sharded also
+    where torch lacks the setter for unused parameters (every parameter is used anyway)."""
     res, out = launch_uneven(tmp_path, how)
     assert res.returncode == 0, res.stderr[-3000:]
     model, batch, config = fixed_batch()
