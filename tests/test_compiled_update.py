@@ -107,6 +107,30 @@ def test_the_length_buckets_are_the_hand_computed_ones():
         FixedShape(rows=4, prompt_cols=5, completion_cols=8, buckets=0)
 
 
+def test_the_block_recompile_limit_grows_with_the_buckets(model_tok, monkeypatch):
+    """The log-prob pass tells `compiled_block` how many padded shapes it will see, so each of
+    them may make BLOCK_RECOMPILE_LIMIT graphs before torch falls back to eager (torch's own
+    limit, 8 graphs, would be met by 4 x 4 buckets in two grad modes). The compiled function is
+    a spy that reads the limits in force, so nothing is compiled here."""
+    model, _ = model_tok
+    seen = []
+
+    def spy(block, x, cos, sin, attn_mask):
+        config = torch._dynamo.config
+        seen.append((config.recompile_limit, config.accumulated_recompile_limit))
+        return block(x, cos, sin, attn_mask)
+
+    monkeypatch.setitem(grpo._COMPILED_BLOCK, "block", spy)
+    shape = FixedShape(rows=64, prompt_cols=8, completion_cols=64, buckets=4)
+    assert shape.shape_count() == 16  # rows 16, 32, 48, 64 x columns 16, 32, 48, 64
+    ids = torch.randint(0, 200, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        grpo.token_logprobs_and_entropy(model, ids, prompt_len=5, fixed_shape=shape)
+    limit = grpo.BLOCK_RECOMPILE_LIMIT * 16
+    assert len(seen) == len(model.model.layers) and model not in grpo._BLOCK_COMPILE_FAILURES
+    assert all(lim == limit and total >= limit for lim, total in seen), seen
+
+
 def test_padding_to_each_bucket_leaves_loss_and_gradients_unchanged(model_tok, even_reward):
     model, tok = model_tok
     batch = _batch(model, tok, even_reward, TRAIN[:2], seed=2, max_new_tokens=16)
