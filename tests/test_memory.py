@@ -151,6 +151,11 @@ def test_each_term_of_the_sum_by_hand():
         [4 * N, 4 * N, 8 * N, 2 * N, 4 * N]
     assert m["kv_cache"] == 3 * 10 * 128 * 2 and m["unsharded"] == 0
     assert m["logits"] == LOGITS_COPIES * 2 * 256 * 4 and m["optimizer_step"] == 4 * N
+    # 1 row x 3 positions in bf16 with a mask of 3 keys: a block saves 236 x 4 + (1,056 + 64
+    # + 3) x 2 = 3,190 bytes per token, outside the blocks 4 x 97 + 2 x 64 x 2 = 644
+    assert m["activations"] == 3 * (2 * 3_190 + 644)
+    ckpt = memory_per_process(CFG, 2, False, device="cuda", activation_checkpointing=True, **kw)
+    assert ckpt["activations"] == 3 * (2 * 64 * 2 + 3_190 + 644)  # block inputs + one block
     # sharded over 2: half of the master state, the whole bf16 replica and its bf16 reference
     m = memory_per_process(CFG, 2, True, device="cuda", **kw)
     assert [m[k] for k in ("weights", "gradients", "adamw", "sampler", "reference")] == \
