@@ -9,6 +9,7 @@ one step against eager, one short training run.
 import argparse
 import copy
 import runpy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -256,6 +257,32 @@ def test_rollouts_sample_from_a_bfloat16_replica_refreshed_after_each_update(
     assert next(model.parameters()).dtype == torch.float32  # the trained weights stay fp32
     for (_, before), (_, after) in zip(seen, seen[1:]):  # updates happened between the steps
         assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_resumed_run_samples_from_its_restored_weights(tiny_dir, tmp_path, even_reward,
+                                                         monkeypatch):
+    """Resuming refreshes the bfloat16 replica from the checkpoint's weights: the first
+    rollouts after a restart sample from the trained weights, not the base model's."""
+    config = GRPOConfig(steps=1, prompts_per_step=2, num_rollouts=3, max_new_tokens=6,
+                        skip_zero_advantage=False, eval_every=0, eval_examples=1,
+                        sample_every=0, seed=1, output_dir=str(tmp_path / "run"),
+                        progress=False, sampler_dtype="bfloat16", lr=1e-2, checkpoint_every=1)
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", config, reward_fn=even_reward)
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    base, tok = load_pretrained(tiny_dir, device="cpu")
+    assert any(not torch.equal(trained[n], p) for n, p in base.named_parameters())
+    seen = []
+
+    def check(sampler, batch):
+        for name, p in sampler.named_parameters():
+            assert torch.equal(p, trained[name].to(torch.bfloat16)), name
+        seen.append(1)
+
+    monkeypatch.setattr(training, "collect_rollouts", _spy_rollouts(check))
+    train_grpo(base, tok, TRAIN, HELD_OUT, "cpu", replace(config, steps=2),
+               resume_from=tmp_path / "run", reward_fn=even_reward)
+    assert seen == [1]  # step 2's rollouts, from the restored weights
 
 
 def test_the_cpu_default_samples_from_the_trained_model_itself(tiny_dir, tmp_path,
