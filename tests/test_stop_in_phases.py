@@ -8,6 +8,7 @@ import json
 import os
 import runpy
 import signal
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -82,9 +83,9 @@ def test_both_decode_loops_poll_every_n_tokens(monkeypatch, static):
 
 def _poll_worker(rank_, init_file, out_dir):
     """Rank 0 polls 5 times, rank 1 twice; then rank 1's flag is set at its second poll; then
-    both flags are set before one poll."""
+    both flags are set before one poll. Polls that fail to pair up fail in 60 s, not hang."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank_,
-                                         world_size=2)
+                                         world_size=2, timeout=timedelta(seconds=60))
     try:
         flag = InterruptFlag()
         with polling_stops(distributed.agreed_stop(flag)):
