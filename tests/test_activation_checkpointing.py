@@ -8,6 +8,7 @@ from test_fsdp import fixed_batch
 from reasoning_from_scratch import distributed, fsdp, training
 from reasoning_from_scratch.datasets import load_dataset_by_name
 from reasoning_from_scratch.grpo import grpo_loss_on_batch
+from reasoning_from_scratch.qwen3 import KVCache
 from reasoning_from_scratch.weights import load_pretrained
 
 
@@ -58,6 +59,27 @@ def test_inference_and_the_kv_cache_are_left_alone():
     with torch.no_grad():
         model(batch.input_ids[:2])
     assert calls[0] == model.cfg.num_hidden_layers  # nothing recorded, nothing to recompute
+
+
+def test_a_forward_that_writes_the_kv_cache_with_gradients_is_not_checkpointed():
+    """Training through a growing KV cache (`tiny_world.batch_logits`): a block that writes the
+    cache is never rerun (a rerun would append its keys again), so the backward pass calls no
+    block and the gradients are those without checkpointing."""
+    results = []
+    for checkpointing in (False, True):
+        model, batch, _ = fixed_batch()
+        model.activation_checkpointing = checkpointing
+        ids = batch.input_ids[:2]
+        calls = _block_calls(model)
+        cache = KVCache(model.cfg.num_hidden_layers)
+        model(ids[:, :5], cache=cache)
+        logits = model(ids[:, 5:], cache=cache)  # (2, L - 5, V), the prefix's keys attended
+        before = calls[0]
+        logits.logsumexp(-1).sum().backward()
+        assert before == 2 * model.cfg.num_hidden_layers and calls[0] == before
+        assert cache.seq_len == ids.shape[1]
+        results.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert _max_diff(results[1], results[0]) <= 1e-6
 
 
 def _one_update(shard: bool, checkpointing: bool) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ one step against eager, one short training run.
 import argparse
 import copy
 import runpy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,30 @@ def test_the_length_buckets_are_the_hand_computed_ones():
     assert one.shape_count() == 1 and one.bucket(40, 20, 75) == (128, 30, 112)
     with pytest.raises(ValueError, match="buckets must be >= 1"):
         FixedShape(rows=4, prompt_cols=5, completion_cols=8, buckets=0)
+
+
+def test_the_block_recompile_limit_grows_with_the_buckets(model_tok, monkeypatch):
+    """The log-prob pass tells `compiled_block` how many padded shapes it will see, so each of
+    them may make BLOCK_RECOMPILE_LIMIT graphs before torch falls back to eager (torch's own
+    limit, 8 graphs, would be met by 4 x 4 buckets in two grad modes). The compiled function is
+    a spy that reads the limits in force, so nothing is compiled here."""
+    model, _ = model_tok
+    seen = []
+
+    def spy(block, x, cos, sin, attn_mask):
+        config = torch._dynamo.config
+        seen.append((config.recompile_limit, config.accumulated_recompile_limit))
+        return block(x, cos, sin, attn_mask)
+
+    monkeypatch.setitem(grpo._COMPILED_BLOCK, "block", spy)
+    shape = FixedShape(rows=64, prompt_cols=8, completion_cols=64, buckets=4)
+    assert shape.shape_count() == 16  # rows 16, 32, 48, 64 x columns 16, 32, 48, 64
+    ids = torch.randint(0, 200, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        grpo.token_logprobs_and_entropy(model, ids, prompt_len=5, fixed_shape=shape)
+    limit = grpo.BLOCK_RECOMPILE_LIMIT * 16
+    assert len(seen) == len(model.model.layers) and model not in grpo._BLOCK_COMPILE_FAILURES
+    assert all(lim == limit and total >= limit for lim, total in seen), seen
 
 
 def test_padding_to_each_bucket_leaves_loss_and_gradients_unchanged(model_tok, even_reward):
@@ -232,6 +257,32 @@ def test_rollouts_sample_from_a_bfloat16_replica_refreshed_after_each_update(
     assert next(model.parameters()).dtype == torch.float32  # the trained weights stay fp32
     for (_, before), (_, after) in zip(seen, seen[1:]):  # updates happened between the steps
         assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_resumed_run_samples_from_its_restored_weights(tiny_dir, tmp_path, even_reward,
+                                                         monkeypatch):
+    """Resuming refreshes the bfloat16 replica from the checkpoint's weights: the first
+    rollouts after a restart sample from the trained weights, not the base model's."""
+    config = GRPOConfig(steps=1, prompts_per_step=2, num_rollouts=3, max_new_tokens=6,
+                        skip_zero_advantage=False, eval_every=0, eval_examples=1,
+                        sample_every=0, seed=1, output_dir=str(tmp_path / "run"),
+                        progress=False, sampler_dtype="bfloat16", lr=1e-2, checkpoint_every=1)
+    model, tok = load_pretrained(tiny_dir, device="cpu")
+    train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", config, reward_fn=even_reward)
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    base, tok = load_pretrained(tiny_dir, device="cpu")
+    assert any(not torch.equal(trained[n], p) for n, p in base.named_parameters())
+    seen = []
+
+    def check(sampler, batch):
+        for name, p in sampler.named_parameters():
+            assert torch.equal(p, trained[name].to(torch.bfloat16)), name
+        seen.append(1)
+
+    monkeypatch.setattr(training, "collect_rollouts", _spy_rollouts(check))
+    train_grpo(base, tok, TRAIN, HELD_OUT, "cpu", replace(config, steps=2),
+               resume_from=tmp_path / "run", reward_fn=even_reward)
+    assert seen == [1]  # step 2's rollouts, from the restored weights
 
 
 def test_the_cpu_default_samples_from_the_trained_model_itself(tiny_dir, tmp_path,

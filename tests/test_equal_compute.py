@@ -1,5 +1,7 @@
 """Tests for the chapter 8 equal-compute read-outs, interpolated between checkpoints."""
 
+import math
+
 import pytest
 
 from reasoning_from_scratch.experiments.process_vs_outcome import (
@@ -29,6 +31,33 @@ def test_interpolate_at_and_first_crossing_by_hand():
     # a point without tokens (an older run's metrics): no budget can be read
     pts[1]["tokens"] = float("nan")
     assert interpolate_at(pts, 150.0) is None
+
+
+def test_the_cost_columns_add_up_step_by_step(tmp_path):
+    """A run's point at step k carries its metrics.csv costs summed over steps 1..k: decode
+    tokens `tokens` = rollout tokens + the step scorer's sampled tokens, `forward_tokens` read
+    without sampling; a column an older run lacks sums to NaN (no budget read), a missing
+    step_time cell counts 0 s."""
+    from reasoning_from_scratch.experiments.process_vs_outcome import (
+        _cumulative_costs,
+        _make_point,
+    )
+
+    csv = tmp_path / "metrics.csv"
+    csv.write_text("step,step_time,gen_tokens,scorer_tokens,forward_tokens\n"
+                   "1,2.0,100,30,500\n"
+                   "2,,120,10,700\n"
+                   "3,1.5,80,0,400\n")
+    costs = _cumulative_costs(csv)
+    assert costs == {0: (0.0, 0.0, 0.0, 0.0), 1: (2.0, 100.0, 30.0, 500.0),
+                     2: (2.0, 220.0, 40.0, 1200.0), 3: (3.5, 300.0, 40.0, 1600.0)}
+    point = _make_point(2, costs, {"accuracy": 0.5})
+    assert point == {"step": 2, "seconds": 2.0, "gen_tokens": 220.0, "scorer_tokens": 40.0,
+                     "tokens": 260.0, "forward_tokens": 1200.0, "accuracy": 0.5}
+    old = tmp_path / "old.csv"  # written before forward_tokens was logged
+    old.write_text("step,step_time,gen_tokens,scorer_tokens\n1,2.0,100,30\n")
+    secs, gen, scorer, forward = _cumulative_costs(old)[1]
+    assert (secs, gen, scorer) == (2.0, 100.0, 30.0) and math.isnan(forward)
 
 
 def test_summary_equal_compute_rows():

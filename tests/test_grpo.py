@@ -221,6 +221,40 @@ def test_aggregate_loss_types():
     assert aggregate_loss(loss, mask, "sequence").item() == pytest.approx(5.0)
     with pytest.raises(ValueError, match="loss_type"):
         aggregate_loss(loss, mask, "ppo")
+    # an empty batch (no rows) gives 0 for every type, not a NaN mean over no sequences
+    for loss_type in ("grpo", "dapo", "dr_grpo", "sequence"):
+        empty = aggregate_loss(torch.zeros(0, 4), torch.zeros(0, 4, dtype=torch.bool), loss_type)
+        assert empty.item() == 0.0, loss_type
+
+
+def test_entropy_bonus_by_hand():
+    """loss = policy term - entropy_coef x entropy, the entropy reduced like the policy term
+    ("sequence" like grpo: a per-answer sum would reward long answers for their length); the
+    logged entropy is the mean per answer token whatever the loss type."""
+    entropy = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]]).bool()
+    logp = torch.zeros(2, 3)
+    adv = torch.tensor([1.0, -1.0])
+    # grpo: answer means 2 and 4 -> 3; dapo: (1 + 2 + 3 + 4) / 4 = 2.5; dr_grpo: 10 / 6
+    for loss_type, bonus in (("grpo", 3.0), ("sequence", 3.0), ("dapo", 2.5),
+                             ("dr_grpo", 10 / 6)):
+        plain = clipped_policy_loss(logp, logp, adv, mask, loss_type, entropy=entropy)
+        out = clipped_policy_loss(logp, logp, adv, mask, loss_type, entropy=entropy,
+                                  entropy_coef=0.1)
+        assert out["entropy"] == plain["entropy"] == pytest.approx(2.5)
+        assert out["loss"].item() == pytest.approx(plain["loss"].item() - 0.1 * bonus), loss_type
+
+
+def test_sequence_level_losses_average_over_every_completion():
+    """A completion without answer tokens keeps its place in the mean over completions (as
+    grpo's per-token mean does): the sequence losses divide by B, not by the answered rows."""
+    logp = torch.tensor([[math.log(1.1), 0.0], [0.0, 0.0]])
+    mask = torch.tensor([[1, 0], [0, 0]]).bool()
+    adv = torch.tensor([1.0, -1.0])
+    for loss_type in ("sequence", "gspo", "grpo"):
+        # ratio 1.1 inside the clip range: surrogate 1.1 x 1 on row 0, nothing on row 1
+        out = clipped_policy_loss(logp, torch.zeros(2, 2), adv, mask, loss_type)
+        assert out["pg_loss"] == pytest.approx(-1.1 / 2), loss_type
 
 
 def _random_batch(seed=0, B=3, T=5):
@@ -284,6 +318,13 @@ def test_clip_statistics():
     out = clipped_policy_loss(logp, torch.zeros(1, 4), adv, torch.ones(1, 4, dtype=torch.bool))
     assert out["clip_frac_high"] == 0.25 and out["clip_frac_low"] == 0.25
     assert out["ratio_max"] == pytest.approx(1.5) and out["ratio_mean"] == pytest.approx(1.0)
+    # a ratio outside the range on the unclipped side of the min is not counted: 0.5 with
+    # A > 0 (r A = 0.5 < clip(r) A = 0.8) and 1.5 with A < 0
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.0, 1.0, 0.5, 1.5]]))
+    adv = torch.tensor([[1.0, -1.0, 1.0, 1.0, 1.0, -1.0]])
+    out = clipped_policy_loss(logp, torch.zeros(1, 6), adv, torch.ones(1, 6, dtype=torch.bool))
+    assert out["clip_frac_high"] == pytest.approx(1 / 6)
+    assert out["clip_frac_low"] == pytest.approx(1 / 6)
 
 
 # ---------------------------------------------------------------- compute_grpo_loss with fakes

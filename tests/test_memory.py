@@ -140,6 +140,32 @@ def test_the_total_adds_the_state_and_the_largest_phase():
     assert m["total"] == state + m["optimizer_step"]
 
 
+def test_each_term_of_the_sum_by_hand():
+    """memory_per_process hands each term its layout's dtype and this process's share."""
+    kw = {"rollout_rows": 5, "rollout_tokens": 10, "micro_batch_rows": 1, "sequence_tokens": 3,
+          "answer_tokens": 2, "chunk_size": 16}
+    # replicated on CUDA: fp32 master state, a bf16 sampling copy, the fp32 reference; the KV
+    # cache of ceil(5 / 2) = 3 rows x 10 positions x 128 elements in bf16
+    m = memory_per_process(CFG, 2, False, device="cuda", **kw)
+    assert [m[k] for k in ("weights", "gradients", "adamw", "sampler", "reference")] == \
+        [4 * N, 4 * N, 8 * N, 2 * N, 4 * N]
+    assert m["kv_cache"] == 3 * 10 * 128 * 2 and m["unsharded"] == 0
+    assert m["logits"] == LOGITS_COPIES * 2 * 256 * 4 and m["optimizer_step"] == 4 * N
+    # 1 row x 3 positions in bf16 with a mask of 3 keys: a block saves 236 x 4 + (1,056 + 64
+    # + 3) x 2 = 3,190 bytes per token, outside the blocks 4 x 97 + 2 x 64 x 2 = 644
+    assert m["activations"] == 3 * (2 * 3_190 + 644)
+    ckpt = memory_per_process(CFG, 2, False, device="cuda", activation_checkpointing=True, **kw)
+    assert ckpt["activations"] == 3 * (2 * 64 * 2 + 3_190 + 644)  # block inputs + one block
+    # sharded over 2: half of the master state, the whole bf16 replica and its bf16 reference
+    m = memory_per_process(CFG, 2, True, device="cuda", **kw)
+    assert [m[k] for k in ("weights", "gradients", "adamw", "sampler", "reference")] == \
+        [2 * N, 2 * N, 4 * N, 2 * N, 2 * N]
+    # --dtype bfloat16, replicated: the bf16 weights sample themselves (no copy)
+    m = memory_per_process(CFG, 2, False, device="cuda", master_bytes=2, **kw)
+    assert [m[k] for k in ("weights", "gradients", "adamw", "sampler", "reference")] == \
+        [2 * N, 2 * N, 4 * N, 0, 2 * N]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activations_match_autograds_saved_tensors(dtype):
     """block_activation_bytes is what autograd saves for one block's backward pass (distinct

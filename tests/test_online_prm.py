@@ -1,6 +1,8 @@
 """Tests for online_prm.py (a PRM re-fitted on the rollouts during RL) and the process hook's
 outcome-anchored forms: labels, parameter updates, costs, the PURE share, the seed interface."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from rollout_helpers import rollouts_from_texts
@@ -12,6 +14,7 @@ from reasoning_from_scratch.process import process_advantages, split_steps, step
 from reasoning_from_scratch.process_supervision import (
     ProcessAdvantageFn,
     build_step_scorer,
+    group_generator,
     make_process_advantage_fn,
     process_token_advantages,
 )
@@ -180,6 +183,21 @@ def test_hook_shuffled_control_is_the_same_whatever_the_group_order_or_restart(a
     assert any(not torch.allclose(first[n], plain[n]) for n in (0, 1))  # something moved
     others = [run(hook(seed=s), [0, 1]) for s in range(4, 12)]
     assert any(not torch.equal(o[0], first[0]) for o in others)
+
+
+def test_group_generator_reads_the_completions_real_tokens_only(arith_tokenizer):
+    """Two groups of one prompt whose completions differ draw different permutations; more
+    padding after the same completions draws the same."""
+    def first_draw(ro):
+        return group_generator(3, ro).random()
+
+    ro = _rollouts(arith_tokenizer, [GOOD, BARE])
+    wider = replace(ro, completion_ids=torch.cat(
+        [ro.completion_ids, torch.full((2, 5), 7, dtype=ro.completion_ids.dtype)], 1))
+    assert first_draw(wider) == first_draw(ro)
+    swapped = _rollouts(arith_tokenizer, [BARE, GOOD])
+    assert first_draw(swapped) != first_draw(ro)
+    assert group_generator(4, ro).random() != first_draw(ro)
 
 
 @pytest.mark.parametrize("variant", ["progress", "first-error", "clip"])

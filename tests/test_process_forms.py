@@ -21,6 +21,9 @@ def close(got, want, tol=1e-3):
 
 def test_prefix_correct_is_a_running_minimum():
     assert prefix_correct([[1, 1, 0, 1], [0.7, 0.2], []]) == [[1, 1, 0, 0], [1, 0], []]
+    # a score at the threshold counts as correct (1[s >= threshold])
+    assert prefix_correct([[0.5, 0.49, 1.0]]) == [[1, 0, 0]]
+    assert prefix_correct([[0.3, 0.29]], threshold=0.3) == [[1, 0]]
 
 
 def test_first_error_marks_only_the_first_wrong_step():

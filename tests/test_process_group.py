@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from reasoning_from_scratch import distributed, fsdp, run_dir, training
 from reasoning_from_scratch.cli import launch
@@ -260,7 +261,17 @@ def test_the_checksum_sums_in_float64_chunk_by_chunk(monkeypatch):
     monkeypatch.setattr(distributed, "CHECKSUM_CHUNK_NUMEL", 3)
     a = torch.tensor([1e8, 1.0, -1e8, 0.5, 0.25], dtype=torch.float32)  # 1.75 in float64
     b = torch.full((2, 2), 0.125)
-    assert distributed.params_checksum([a, b]) == 1.75 + 0.5
+    summed = []
+
+    class RecordSums(TorchFunctionMode):  # the sizes of the tensors that are summed
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.sum:
+                summed.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    with RecordSums():
+        assert distributed.params_checksum([a, b]) == 1.75 + 0.5
+    assert summed == [3, 2, 3, 1]  # a in chunks of 3 and 2, b in chunks of 3 and 1
     assert float(a.sum()) != 1.75  # float32 would have lost the small terms
 
 

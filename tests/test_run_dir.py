@@ -1,6 +1,7 @@
 """The run directory's life cycle (`run_dir.RunDir`) shared by the GRPO and distillation loops:
 one checkpoint per state, a loop's own bookkeeping in it, and what a stop leaves behind."""
 
+import os
 import signal
 
 import pytest
@@ -57,3 +58,16 @@ def test_a_stop_leaves_a_checkpoint_and_the_exit_status(tiny, tmp_path, capsys):
     assert read_trainer_state(tmp_path / "checkpoint-1")["step"] == 1
     assert (tmp_path / STOPPED_FILE).read_text() == "75\n"  # EXIT_STOPPED: requeue
     assert f"continue with --resume {tmp_path}" in capsys.readouterr().out
+
+
+def test_a_signal_between_decode_loops_stops_at_the_end_of_the_teacher_phase(monkeypatch):
+    """`stoppable_before_run` with several processes: a stop signal is recorded, not raised
+    where it lands, and one that came outside a decode loop's poll raises as the block ends
+    (`stop_if_interrupted`, agreed by every process)."""
+    monkeypatch.setattr(run_dir, "world_size", lambda: 2)  # record signals, as N processes do
+    monkeypatch.setattr(run_dir, "agreed_stop", lambda flag: None)  # no group: nothing polls
+    reached = []
+    with pytest.raises(StopSignal) as stop, run_dir.stoppable_before_run("SIGTERM"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        reached.append("after the signal")  # recorded, the work goes on
+    assert reached == ["after the signal"] and stop.value.signum == signal.SIGTERM

@@ -8,6 +8,7 @@ import json
 import os
 import runpy
 import signal
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -81,9 +82,10 @@ def test_both_decode_loops_poll_every_n_tokens(monkeypatch, static):
 
 
 def _poll_worker(rank_, init_file, out_dir):
-    """Rank 0 polls 5 times, rank 1 twice; then rank 1's flag is set at its second poll."""
+    """Rank 0 polls 5 times, rank 1 twice; then rank 1's flag is set at its second poll; then
+    both flags are set before one poll. Polls that fail to pair up fail in 60 s, not hang."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank_,
-                                         world_size=2)
+                                         world_size=2, timeout=timedelta(seconds=60))
     try:
         flag = InterruptFlag()
         with polling_stops(distributed.agreed_stop(flag)):
@@ -99,7 +101,15 @@ def _poll_worker(rank_, init_file, out_dir):
                     generation.poll_for_stop()
         except StopSignal as stop:
             stopped_at = (i, stop.signum)
-        Path(out_dir, f"{rank_}.json").write_text(json.dumps([summed, stopped_at]))
+        both, both_stopped = InterruptFlag(), None  # every process signalled (a scheduler's
+        try:  # SIGTERM to all its tasks)
+            with polling_stops(distributed.agreed_stop(both)):
+                both.set(signal.SIGTERM)
+                generation.poll_for_stop()
+        except StopSignal as stop:
+            both_stopped = stop.signum
+        Path(out_dir, f"{rank_}.json").write_text(json.dumps([summed, stopped_at,
+                                                              both_stopped]))
     finally:
         distributed.shutdown_distributed()
 
@@ -108,9 +118,10 @@ def test_two_processes_pair_their_polls_and_stop_at_the_same_one(tmp_path):
     torch.multiprocessing.spawn(_poll_worker, args=(str(tmp_path / "init"), str(tmp_path)),
                                 nprocs=2)
     for r in (0, 1):
-        summed, stopped_at = json.loads((tmp_path / f"{r}.json").read_text())
+        summed, stopped_at, both_stopped = json.loads((tmp_path / f"{r}.json").read_text())
         assert summed == [3.0]  # the sum met its partner after rank 1's settling polls
         assert stopped_at == [2, int(signal.SIGTERM)]  # both ranks, at the same poll
+        assert both_stopped == int(signal.SIGTERM)  # two SIGTERMs agree on SIGTERM
 
 
 def _config(out, steps=3):

@@ -74,7 +74,13 @@ def test_sampling_stopped_after_two_batches_continues_to_the_straight_records(
     assert len(calls) == 1  # only the last batch was sampled again
     assert resumed == straight  # same samples: the generator continued from its saved state
     assert _without_seconds(stats) == _without_seconds(straight_stats)
-    assert len(partial.read_text().splitlines()) == 4  # the torn line gone, batch 3 appended
+    # every sample of the 6 problems verified and kept; the totals add all three batches,
+    # the two read back from the file and the one sampled again
+    assert (stats["verified"], stats["kept"]) == (12, 12)
+    batches = [json.loads(x) for x in partial.read_text().splitlines()[1:]]
+    assert len(batches) == 3  # the torn line gone, batch 3 appended
+    assert stats["generated_tokens"] == sum(b["tokens"] for b in batches) > 0
+    assert stats["seconds"] == pytest.approx(sum(b["seconds"] for b in batches))
 
 
 def test_a_partial_file_of_other_settings_or_with_a_bad_line_is_refused(

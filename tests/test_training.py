@@ -246,9 +246,12 @@ def test_ch07_script_process_supervision(tmp_path):
     ("verifier", "delta"), ("verifier", "pure"), ("mc-branch", "value-delta"),
     ("format", "progress"), ("belief", "value-delta"),
 ])
-def test_ch07_script_runs_the_outcome_anchored_forms(tmp_path, scorer, variant):
+def test_ch07_script_runs_the_outcome_anchored_forms(tmp_path, monkeypatch, scorer, variant):
     """ch07_train.py --supervision process --process-variant NAME, one step each."""
     out = tmp_path / "run"
+    policy_reads, real = [], training._forward_tokens
+    monkeypatch.setattr(training, "_forward_tokens",
+                        lambda *a: policy_reads.append(real(*a)) or policy_reads[-1])
     summary = _load_script("ch07_train").main([
         "--supervision", "process", "--step-scorer", scorer, "--process-variant", variant,
         "--process-alpha", "0.5", "--mc-rollouts", "2", "--steps", "1",
@@ -265,6 +268,11 @@ def test_ch07_script_runs_the_outcome_anchored_forms(tmp_path, scorer, variant):
     assert (row["scorer_tokens"] > 0) == (scorer == "mc-branch")
     assert row["decode_tokens"] == row["gen_tokens"] + row["scorer_tokens"]
     assert row["forward_tokens"] > 0  # rollout prompts and the update, for every arm
+    # plus what the scorer read without sampling: the Monte-Carlo prefixes' prefill, the
+    # belief probes' forward passes
+    (own,) = policy_reads
+    assert (row["forward_tokens"] > own > 0) == (scorer in ("mc-branch", "belief"))
+    assert row["forward_tokens"] >= own
 
 
 def test_compute_grpo_loss_process_gives_token_advantages():
