@@ -74,6 +74,7 @@ part's `ours_fast` (about a minute on a busy 2-core machine; what the tests run)
 and without `--device cpu` it says that it needs CUDA and exits 0.
 
     python benchmarks/gpu_check.py                          # on a CUDA machine, ~10 minutes
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --out $OUT/gpu_results.json  # not installed
     python benchmarks/gpu_check.py --parts grpo --grpo-setups cuda-default --limit-s 200
     python benchmarks/gpu_check.py --device cpu --out /tmp/gpu_results.json
 """
