@@ -130,8 +130,9 @@ from test_fsdp import fixed_batch
 distributed.init_distributed(torch.device("cpu"))
 model, batch, config = fixed_batch()
 sharded = sys.argv[3].startswith("fsdp")
-if sys.argv[3] == "fsdp-without-unused-setter":
-    delattr(fsdp.FSDPModule, fsdp.UNUSED_PARAMS_SETTER)
+if sys.argv[3] == "fsdp-without-unused-setter" and hasattr(fsdp.FSDPModule,
+                                                            fsdp.UNUSED_PARAMS_SETTER):
+    delattr(fsdp.FSDPModule, fsdp.UNUSED_PARAMS_SETTER)  # a torch that has it: as if not
 if sharded:
     fsdp.shard_model(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
