@@ -3,11 +3,14 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from reasoning_from_scratch.experiments import stats
 from reasoning_from_scratch.experiments.stats import (
     GRPO_DEFAULTS,
     SETTINGS_FILE,
     field_defaults,
+    refuse_other_settings,
     resume_point,
     settings_diff,
     with_added_defaults,
@@ -35,6 +38,15 @@ def test_a_run_made_before_a_field_existed_counts_as_made_at_its_default():
     assert filled != asked and settings_diff(filled, asked) == "update_buckets: 4 -> 8"
     assert with_added_defaults({"steps": 60, "update_buckets": 2}, current)["update_buckets"] == 2
     assert with_added_defaults(saved, {"steps": 60, "model": "x"}) == saved  # no default known
+
+
+def test_a_finished_run_with_other_settings_is_refused_naming_them(tmp_path):
+    current = {"steps": 60, "update_buckets": 4}
+    refuse_other_settings(tmp_path, {"steps": 60}, current)  # the added key at its default
+    with pytest.raises(SystemExit, match=r"run with other settings \(update_buckets: 4 -> 8\)"):
+        refuse_other_settings(tmp_path, {"steps": 60}, {**current, "update_buckets": 8})
+    with pytest.raises(SystemExit, match=r"update_buckets: \(absent\) -> 4"):
+        refuse_other_settings(tmp_path, {"steps": 60}, current, defaults={})  # none known
 
 
 def test_an_unfinished_run_of_before_a_field_existed_resumes(tmp_path, monkeypatch):

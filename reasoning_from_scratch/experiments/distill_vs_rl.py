@@ -40,8 +40,8 @@ from .stats import (
     format_pm,
     format_value,
     jsonable,
+    refuse_other_settings,
     resume_point,
-    settings_diff,
     stat,
 )
 
@@ -109,10 +109,7 @@ def _done(run_dir: Path, settings: dict):
     if not done.is_file():
         return None
     saved = read_json(done)
-    if saved["settings"] != settings:
-        raise SystemExit(f"{run_dir} was run with other settings "
-                         f"({settings_diff(saved['settings'], settings)}); use another "
-                         "--output-dir, or delete that run directory to rerun it")
+    refuse_other_settings(run_dir, saved["settings"], settings, defaults={})  # not GRPO's
     return saved["figures"]
 
 

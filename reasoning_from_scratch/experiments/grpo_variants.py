@@ -44,10 +44,9 @@ from .stats import (
     format_value,
     jsonable,
     mean_std,
+    refuse_other_settings,
     resume_point,
-    settings_diff,
     stat,
-    with_added_defaults,
 )
 
 # The shared settings of every arm (GRPOConfig overrides): 60 steps x 8 prompts x 8 rollouts.
@@ -128,11 +127,7 @@ def _run_one(arm, seed, shared, data, model, tokenizer, train, held_out, device,
     done = run_dir / "figures.json"
     if done.is_file():
         saved = json.loads(done.read_text())
-        before = with_added_defaults(saved["settings"], settings)
-        if before != settings:
-            raise SystemExit(f"{run_dir} was run with other settings "
-                             f"({settings_diff(before, settings)}); use another "
-                             "--output-dir, or delete that run directory to rerun it")
+        refuse_other_settings(run_dir, saved["settings"], settings)
         return saved["figures"]
     resume = resume_point(run_dir, settings)
     run_dir.mkdir(parents=True, exist_ok=True)

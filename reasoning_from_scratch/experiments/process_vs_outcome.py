@@ -102,10 +102,10 @@ from .stats import (
     jsonable,
     mean_std,
     paired_bootstrap,
+    refuse_other_settings,
     resume_point,
     settings_diff,
     stat,
-    with_added_defaults,
 )
 from .stats import format_value as _opt  # short: the table lines are long
 
@@ -396,11 +396,7 @@ def _run_one(config, settings, base_model, tokenizer, train, held_out, device, b
     run_dir = Path(config.output_dir)
     done = _load_curve(run_dir)
     if done is not None:
-        saved = with_added_defaults(done.get("settings") or {}, settings)
-        if saved != settings:
-            changed = settings_diff(saved, settings)
-            raise SystemExit(f"{run_dir} was run with other settings ({changed}); use another "
-                             "--output-dir, or delete that run directory to rerun it")
+        refuse_other_settings(run_dir, done.get("settings") or {}, settings)
         return done
     resume = resume_point(run_dir, settings)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -176,6 +176,17 @@ def with_added_defaults(saved: dict, current: dict, defaults: dict = GRPO_DEFAUL
     return {**{k: defaults[k] for k in current if k not in saved and k in defaults}, **saved}
 
 
+def refuse_other_settings(run_dir, saved: dict, settings: dict,
+                          defaults: dict = GRPO_DEFAULTS) -> None:
+    """Exit (SystemExit) if the finished run in `run_dir` was made with `saved` settings other
+    than `settings` (`with_added_defaults` first: a key added since counts as its default)."""
+    before = with_added_defaults(saved, settings, defaults)
+    if before != settings:
+        raise SystemExit(f"{run_dir} was run with other settings "
+                         f"({settings_diff(before, settings)}); use another "
+                         "--output-dir, or delete that run directory to rerun it")
+
+
 def resume_point(run_dir, settings):
     """Where an unfinished run of an experiment starts: its latest intact checkpoint when the
     directory holds a run with the same settings, else None after clearing the directory (a
