@@ -48,6 +48,7 @@ __all__ = [
     "pick_token",
     "compile_decoding",
     "warm_up_decoding",
+    "reserve_decoding",
     "generate",
     "sample_response",
     "sample_rollouts",
@@ -235,9 +236,11 @@ class _DecodeState:
     ids: torch.Tensor  # (R, N) long, the chosen tokens (padding after EOS)
     mask: torch.Tensor  # (R, N) bool, real tokens
     logps: torch.Tensor  # (R, N) float, sampler log-probs (zeros unless recorded)
+    uniforms: torch.Tensor  # (R, 1) float, this token's draws (zeros for empty rows)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.token, self.real, self.finished, self.col, self.ids, self.mask, self.logps]
+        return [self.token, self.real, self.finished, self.col, self.ids, self.mask, self.logps,
+                self.uniforms]
 
     def reset(self, pad_token_id: int, rows: int) -> None:
         """A fresh start for `rows` real rows; the others are empty, finished from the start."""
@@ -249,6 +252,7 @@ class _DecodeState:
         self.ids.fill_(pad_token_id)
         self.mask.zero_()
         self.logps.zero_()
+        self.uniforms.zero_()
 
 
 def _record(state: _DecodeState, logits, r, temperature, top_p, top_k, eos, pad_token_id,
@@ -337,24 +341,110 @@ def _generator_list(generator: Generators, device: torch.device) -> list[torch.G
     return [generator] if isinstance(generator, torch.Generator) else list(generator)
 
 
-# model -> {shape: (StaticKVCache, _DecodeState)}: the buffers of the shapes a model decoded
-# last, reused by its next call of the same shape, so that a CUDA graph finds its inputs at the
-# addresses it was recorded with (a new address makes it record again).
+@dataclass
+class _KVStorage:
+    """The key/value memory of one row bucket R: per layer one flat tensor with room for
+    `slots` slots, which every length bucket of those rows views from its start (each view
+    `(R, H_kv, L, D)` contiguous, at the storage's own address). Decode calls run one at a time
+    and each fills its view anew (`StaticKVCache.fill`), so the length buckets can share it:
+    one allocation per row bucket instead of one per shape, and every shape's addresses stay
+    the same for as long as the storage does (a CUDA graph replays only at the addresses it
+    was recorded with)."""
+
+    keys: list[torch.Tensor]  # per layer (R * H_kv * slots * D,)
+    values: list[torch.Tensor]
+    rows: int
+    heads: int
+    head_dim: int
+    slots: int
+
+    @classmethod
+    def allocate(cls, layers: int, rows: int, heads: int, slots: int, head_dim: int, dtype,
+                 device) -> _KVStorage:
+        n = rows * heads * slots * head_dim
+        new = [torch.zeros(n, dtype=dtype, device=device) for _ in range(2 * layers)]
+        return cls(new[:layers], new[layers:], rows, heads, head_dim, slots)
+
+    def views(self, slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(keys, values) per layer as (R, H_kv, slots, D) views of the first elements."""
+        n, shape = self.rows * self.heads * slots * self.head_dim, \
+            (self.rows, self.heads, slots, self.head_dim)
+        return [t[:n].view(shape) for t in self.keys], [t[:n].view(shape) for t in self.values]
+
+
+@dataclass
+class _DecodeBuffers:
+    """Everything the compiled decode step of one model reads and writes, kept between calls:
+    the KV storage of each row bucket and, per shape (rows, slots, new tokens), its
+    StaticKVCache (views of that storage and its own masks and positions) and _DecodeState.
+    A shape's tensors are allocated once, when first met, and reused by every later call (and
+    with a larger storage, made when a longer shape of the same rows comes, once more)."""
+
+    # (R, layers, H_kv, D, dtype, device) -> _KVStorage
+    storage: dict = field(default_factory=dict)
+    # (L, N, *storage key) -> (StaticKVCache, _DecodeState, the _KVStorage it views)
+    shapes: dict = field(default_factory=dict)
+    allocations: int = 0  # shapes given new tensors so far (a pointer-stability check counts them)
+
+
+# model -> _DecodeBuffers. Weak: a model's buffers go with it.
 _BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_BUFFERS_PER_MODEL = 4  # shapes kept per model (e.g. rollouts, evaluation batches)
+# Shapes whose small tensors (masks, positions, token records) a model keeps; a run meets a few
+# (rollouts, evaluation batches) and the Monte-Carlo scorers a few more. The KV memory is per
+# row bucket and not counted here.
+_SHAPES_PER_MODEL = 64
+
+
+def _kv_storage(buffers: _DecodeBuffers, skey, layers, R, H, L, D, dtype, dev) -> _KVStorage:
+    """The row bucket's storage, made (or made larger, dropping the shapes that viewed the old
+    one) when it has fewer than L slots."""
+    old = buffers.storage.get(skey)
+    if old is not None and old.slots >= L:
+        return old
+    for key in [k for k, (_, _, held) in buffers.shapes.items() if held is old]:
+        del buffers.shapes[key]  # views of the storage about to be freed
+    buffers.storage[skey] = _KVStorage.allocate(layers, R, H, L, D, dtype, dev)
+    return buffers.storage[skey]
+
+
+def _storage_key(R, layers, H, D, dtype, dev) -> tuple:
+    return (R, layers, H, D, dtype, torch.device(dev))
+
+
+def reserve_decoding(model, shapes: Sequence[tuple[int, int, int]]) -> None:
+    """Give each row bucket of `shapes` ((rows, prompt length, new tokens) of the compiled
+    decode calls to come) its KV storage now, at the most slots any of them needs, so that no
+    later call makes it larger (a larger storage gives that bucket's shapes new addresses,
+    which a CUDA graph has to record again). The training loop's warm-up calls it with every
+    rollout and evaluation shape of the run."""
+    cfg, buffers = model.cfg, _BUFFERS.setdefault(model, _DecodeBuffers())
+    most: dict[int, int] = {}
+    for rows, length, new_tokens in shapes:
+        R = _bucket(rows, 1)
+        most[R] = max(most.get(R, 0), _bucket(length, 16) + _bucket(new_tokens, 16))
+    for R, L in most.items():
+        skey = _storage_key(R, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                            model.dtype, model.device)
+        _kv_storage(buffers, skey, cfg.num_hidden_layers, R, cfg.num_key_value_heads, L,
+                    cfg.head_dim, model.dtype, model.device)
 
 
 def _buffers(model, prefill: KVCache, R: int, L: int, N: int):
-    """The (StaticKVCache, _DecodeState) for R rows, L slots and N new tokens: reused when the
-    model decoded this shape lately, else allocated (and, on CUDA, marked as fixed addresses)."""
+    """The (StaticKVCache, _DecodeState) for R rows, L slots and N new tokens: the ones this
+    model decoded the shape with before, else new ones (on CUDA marked as fixed addresses)."""
     k = prefill.keys[0]
-    key = (R, L, N, k.shape[1], k.shape[3], k.dtype, k.device)
-    pool = _BUFFERS.setdefault(model, {})
-    if key in pool:
-        pool[key] = pool.pop(key)  # most recently used last
-        return pool[key]
-    dev = k.device
-    static = StaticKVCache.from_cache(prefill, R, L)
+    layers, H, D, dtype, dev = len(prefill.keys), k.shape[1], k.shape[3], k.dtype, k.device
+    skey = _storage_key(R, layers, H, D, dtype, dev)
+    key = (L, N, *skey)
+    buffers = _BUFFERS.setdefault(model, _DecodeBuffers())
+    store = _kv_storage(buffers, skey, layers, R, H, L, D, dtype, dev)
+    if key in buffers.shapes:
+        buffers.shapes[key] = buffers.shapes.pop(key)  # most recently used last
+        return buffers.shapes[key][:2]
+    keys, values = store.views(L)
+    static = StaticKVCache(keys, values, torch.zeros(R, L, dtype=torch.bool, device=dev),
+                           torch.zeros(R, dtype=torch.long, device=dev),
+                           torch.zeros(1, dtype=torch.long, device=dev))
     state = _DecodeState(
         token=torch.zeros(R, dtype=torch.long, device=dev),
         real=torch.zeros(R, dtype=torch.bool, device=dev),
@@ -362,13 +452,15 @@ def _buffers(model, prefill: KVCache, R: int, L: int, N: int):
         col=torch.zeros(1, dtype=torch.long, device=dev),
         ids=torch.zeros(R, N, dtype=torch.long, device=dev),
         mask=torch.zeros(R, N, dtype=torch.bool, device=dev),
-        logps=torch.zeros(R, N, dtype=torch.float32, device=dev))
+        logps=torch.zeros(R, N, dtype=torch.float32, device=dev),
+        uniforms=torch.zeros(R, 1, dtype=torch.float32, device=dev))
     if dev.type == "cuda":  # updated in place by the graph: CUDA graphs keep their addresses
         for t in [*static.tensors(), *state.tensors()]:
             torch._dynamo.mark_static_address(t)
-    while len(pool) >= _BUFFERS_PER_MODEL:
-        pool.pop(next(iter(pool)))  # the least recently used shape
-    pool[key] = static, state
+    while len(buffers.shapes) >= _SHAPES_PER_MODEL:
+        buffers.shapes.pop(next(iter(buffers.shapes)))  # the least recently used shape
+    buffers.shapes[key] = static, state, store
+    buffers.allocations += 1
     return static, state
 
 
@@ -408,8 +500,8 @@ def _generate_static(model, input_ids, attention_mask, cache, G, max_new_tokens,
     def uniforms() -> torch.Tensor | None:  # (R, 1) this token's draws, zeros for empty rows
         if not sampling:
             return None
-        r = row_uniforms(BG, generator, dev)
-        return r if R == BG else torch.cat([r, r.new_zeros(R - BG, 1)])
+        state.uniforms[:BG].copy_(row_uniforms(BG, generator, dev))  # a fixed address
+        return state.uniforms
 
     step = _compiled_step(model, dev)
     setting = (temperature, top_p, top_k, eos, pad_token_id, return_logprobs)
@@ -450,7 +542,9 @@ def warm_up_decoding(model, shapes: Sequence[tuple[int, int]], max_new_tokens: i
     model's current mode (call it as the decoding will run, e.g. in eval mode). Draws from its
     own generator: the caller's random state is untouched. Returns the buckets warmed up."""
     dev = model.device
-    buckets = sorted({(_bucket(rows, 1), _bucket(length, 16)) for rows, length in shapes})
+    # the longest first: each row bucket's KV storage is then made once, at its largest
+    buckets = sorted({(_bucket(rows, 1), _bucket(length, 16)) for rows, length in shapes},
+                     key=lambda b: (b[0], -b[1]))
     eos = _eos_tensor(eos_token_id, dev)
     pad = int(eos[0]) if eos is not None else 0
     for rows, length in buckets:

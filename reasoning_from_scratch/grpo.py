@@ -203,12 +203,14 @@ def _smallest_holding(sizes: tuple[int, ...], n: int) -> int:
 
 @dataclass(frozen=True)
 class FixedShape:
-    """The shapes the micro-batches of the log-prob pass are padded to, so that the decoder
-    blocks see only a few shapes all run long (`torch.compile(dynamic=False)` compiles each
-    shape once, for each grad/autocast setting): at most `rows` rollouts, `prompt_cols` prompt
-    columns (more left padding) and at most `completion_cols` completion columns (more right
-    padding). A batch larger than that (never in a GRPO run, whose bounds are its largest
-    micro-batch, longest training prompt and token budget) is padded to its own size instead.
+    """The shapes the micro-batches of the log-prob pass are padded to, so that the decoder blocks
+    see only a few shapes, known before the run starts (`compiled_block` compiles them with
+    symbolic batch and length sizes, a few graphs for all of them, and the training loop runs
+    every one before its first step: `training._warm_up_update`): at most `rows` rollouts,
+    `prompt_cols` prompt columns (more left padding) and at most `completion_cols` completion
+    columns (more right padding). A batch larger than that (never in a GRPO run, whose bounds
+    are its largest micro-batch, longest training prompt and token budget) is padded to its own
+    size instead.
     compile: run the blocks through `compiled_block`; False pads only (what the equivalence
     tests compare with).
 
@@ -280,9 +282,24 @@ def _run_block(block, x, cos, sin, attn_mask):
     return block(x, cos, sin, attn_mask)
 
 
+def _symbolic_sizes(x, cos, sin, attn_mask) -> None:
+    """Mark the batch and length dimensions of a block's inputs as symbolic, so that one graph
+    serves every padded shape of a run (x, cos, sin (B, T, .); attn_mask (B, 1, T, T)) instead
+    of one graph per shape. `maybe_`: where the compiler still has to specialise a size (the
+    CPU backend, for one, picks its reduction code by B x T), it makes another graph rather
+    than fail; the run's warm-up meets every padded shape, so such graphs too are made before
+    the first step."""
+    for t in (x, cos, sin):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(t, 1)
+    for dim in (0, 2, 3):
+        torch._dynamo.maybe_mark_dynamic(attn_mask, dim)
+
+
 # torch.compile of `_run_block`, made on first use (building it imports the compiler). The
 # blocks' parameters are graph inputs, so one graph serves every block of every model of one
-# architecture; each padded shape, grad mode, train/eval mode and autocast add one.
+# architecture; each grad mode, train/eval mode, autocast setting and frozen model (its
+# parameters' requires_grad) adds one, and a size range the backend specialises on another.
 _COMPILED_BLOCK: dict = {}
 # model -> why compiling its training block failed; its later passes run eagerly.
 _BLOCK_COMPILE_FAILURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -291,12 +308,13 @@ BLOCK_RECOMPILE_LIMIT = 16  # graphs kept for the block per padded shape (torch'
 
 def compiled_block(model, shapes: int = 1) -> Callable:
     """`forward_hidden`'s block_fn for the training path: each decoder block through
-    `torch.compile(fullgraph=True, dynamic=False)`, or eagerly, with one warning per model, if
-    compiling fails (with fullgraph a failure is raised while tracing the forward, before the
-    block ran). Without any padding `forward_hidden` passes no mask; the causal one is built
-    here, so that such a batch uses the same graph as the padded ones. shapes: the padded
-    shapes it will see (`FixedShape.shape_count`); torch's recompile limits are raised to
-    BLOCK_RECOMPILE_LIMIT graphs per shape, so no bucket ever falls back to eager."""
+    `torch.compile(fullgraph=True)` with symbolic batch and length sizes (`_symbolic_sizes`),
+    or eagerly, with one warning per model, if compiling fails (with fullgraph a failure is
+    raised while tracing the forward, before the block ran). Without any padding
+    `forward_hidden` passes no mask; the causal one is built here, so that such a batch uses
+    the same graph as the padded ones. shapes: the padded shapes it will see
+    (`FixedShape.shape_count`); torch's recompile limits are raised to BLOCK_RECOMPILE_LIMIT
+    graphs per shape, so no bucket ever falls back to eager."""
 
     def run(block, x, cos, sin, attn_mask):
         if attn_mask is None:
@@ -306,8 +324,8 @@ def compiled_block(model, shapes: int = 1) -> Callable:
         if model not in _BLOCK_COMPILE_FAILURES:
             try:
                 if "block" not in _COMPILED_BLOCK:
-                    _COMPILED_BLOCK["block"] = torch.compile(_run_block, fullgraph=True,
-                                                             dynamic=False)
+                    _COMPILED_BLOCK["block"] = torch.compile(_run_block, fullgraph=True)
+                _symbolic_sizes(x, cos, sin, attn_mask)
                 limit = max(torch._dynamo.config.recompile_limit,
                             BLOCK_RECOMPILE_LIMIT * shapes)
                 total = max(torch._dynamo.config.accumulated_recompile_limit, limit)
@@ -322,6 +340,35 @@ def compiled_block(model, shapes: int = 1) -> Callable:
         return block(x, cos, sin, attn_mask)
 
     return run
+
+
+
+def warm_up_compiled_blocks(model, shape: FixedShape, backward: bool, chunk_size: int = 1024,
+                            temperature: float = 1.0) -> int:
+    """Run `token_logprobs_and_entropy` once at every padded shape of `shape` (each row bucket x
+    completion bucket, `prompt_cols` prompt columns), so that the compiled blocks' graphs for
+    the model's current mode, grad mode and autocast are all made now, not in a training step
+    that first meets a bucket. A dummy batch of token 0 with one left-padding position (a real
+    packed batch's masked path). backward: with gradients, and a backward pass taken with
+    `torch.autograd.grad` (the backward graph compiles too, no `.grad` is written, no
+    data-parallel hook fires); else without gradients. Returns the shapes run."""
+    dev = model.device
+    rows_list, cols_list = shape.row_sizes(), shape.completion_sizes()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for rows in rows_list:
+        for cols in cols_list:
+            L = shape.prompt_cols + cols
+            ids = torch.zeros(rows, L, dtype=torch.long, device=dev)
+            mask = torch.ones(rows, L, dtype=torch.long, device=dev)
+            mask[0, 0] = 0 if shape.prompt_cols > 1 else 1
+            with torch.set_grad_enabled(backward):
+                logp, _ = token_logprobs_and_entropy(model, ids, mask, shape.prompt_cols,
+                                                     chunk_size=chunk_size, with_entropy=True,
+                                                     temperature=temperature,
+                                                     fixed_shape=shape)
+                if backward and params:
+                    torch.autograd.grad(logp.sum(), params, allow_unused=True)
+    return len(rows_list) * len(cols_list)
 
 
 def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len=None,

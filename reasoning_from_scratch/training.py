@@ -76,7 +76,12 @@ from .fsdp import (
     shard_sizes,
     shard_with_replica,
 )
-from .generation import compile_decoding, stop_token_ids, warm_up_decoding
+from .generation import (
+    compile_decoding,
+    reserve_decoding,
+    stop_token_ids,
+    warm_up_decoding,
+)
 from .grpo import (
     KL_ESTIMATORS,
     LOSS_TYPES,
@@ -89,6 +94,7 @@ from .grpo import (
     collect_rollouts,
     concat_rollout_batches,
     grpo_loss_on_batch,
+    warm_up_compiled_blocks,
 )
 from .interrupts import (
     DEFAULT_STOP_SIGNALS,
@@ -816,6 +822,8 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
             with polling_stops(stops):
                 _warm_up_decoding(policy, tokenizer, train_examples, eval_set, config,
                                   prompt_fn)
+        if fixed_shape is not None and fixed_shape.compile and run.completed < config.steps:
+            _warm_up_update(model, ref_model, config, fixed_shape, device)
         while run.completed < config.steps:
             step = run.completed
             # Stages 1-3: rollouts, rewards, advantages (grpo.collect_rollouts)
@@ -861,17 +869,42 @@ def _warm_up_decoding(model, tokenizer, train_examples, eval_set, config, prompt
     stops = stop_token_ids(tokenizer)
     start, stop = shard_range(config.prompts_per_step)
     lengths = set(prompt_lengths(tokenizer, train_examples, prompt_fn))
-    warm_up_decoding(model, [((stop - start) * config.num_rollouts, n) for n in lengths],
-                     config.max_new_tokens, config.temperature, config.top_p,
-                     eos_token_id=stops, return_logprobs=config.tis_cap is not None
-                     or config.off_policy_mask_threshold is not None)
+    rollouts = [((stop - start) * config.num_rollouts, n) for n in lengths]
     mine = shard(eval_set)
     lengths = sorted(prompt_lengths(tokenizer, mine, prompt_fn), reverse=True)
     batches = [lengths[i:i + config.eval_batch_size]
                for i in range(0, len(lengths), config.eval_batch_size)]
-    warm_up_decoding(model, [(len(b), b[0]) for b in batches], config.eval_tokens,
-                     eos_token_id=stops)
+    evaluations = [(len(b), b[0]) for b in batches]
+    # each row bucket's KV memory at once at its largest: no later call moves a shape's buffers
+    reserve_decoding(model, [(r, n, config.max_new_tokens) for r, n in rollouts]
+                     + [(r, n, config.eval_tokens) for r, n in evaluations])
+    warm_up_decoding(model, rollouts, config.max_new_tokens, config.temperature, config.top_p,
+                     eos_token_id=stops, return_logprobs=config.tis_cap is not None
+                     or config.off_policy_mask_threshold is not None)
+    warm_up_decoding(model, evaluations, config.eval_tokens, eos_token_id=stops)
     model.train(was_training)
+
+
+def _warm_up_update(model, ref_model, config, fixed_shape, device):
+    """Compile the update's decoder blocks (`compile_update`) before the first step, at every
+    padded shape a step can meet (`grpo.warm_up_compiled_blocks`), in each setting the steps
+    use them: the reference's log-probs and (inner epochs > 1) the old policy's without
+    gradients in eval mode, the update's with gradients in train mode, all under the update's
+    autocast. No step then compiles. Printed with its time."""
+    t0 = time.time()
+    with update_autocast(config, device):
+        if ref_model is not None:
+            warm_up_compiled_blocks(ref_model, fixed_shape, False, config.chunk_size,
+                                    config.temperature)
+        model.eval()
+        if config.inner_epochs > 1:
+            warm_up_compiled_blocks(model, fixed_shape, False, config.chunk_size,
+                                    config.temperature)
+        model.train()
+        shapes = warm_up_compiled_blocks(model, fixed_shape, True, config.chunk_size,
+                                         config.temperature)
+        model.eval()
+    _print(config, f"compiled the update for {shapes} padded shapes in {time.time() - t0:.1f} s")
 
 
 def _process_advantage_fn(model, tokenizer, device, config):
@@ -1065,6 +1098,7 @@ def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step
     totals = global_totals(batch)  # a process may hold no rows while others do
     if totals[0]:
         # Stage 4: log-probs of the frozen reference and (inner epochs) of the sampling policy
+        model.eval()  # as the compiled update's warm-up ran them (`_warm_up_update`)
         with torch.no_grad():
             ref_logp = old_logp = None
             if ref_model is not None:

@@ -102,7 +102,7 @@ def test_compiled_tokens_equal_eager_and_one_graph_serves_a_bucket(model):
     assert counters["stats"]["unique_graphs"] == graphs
     # one set of buffers per shape, reused by every call of that shape (CUDA graphs keep
     # their input addresses)
-    assert len(generation._BUFFERS[model]) == 2
+    assert len(generation._BUFFERS[model].shapes) == 2
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning(model, monkeypatch):

@@ -175,11 +175,14 @@ def test_the_compiled_step_equals_eager_with_one_graph_for_every_batch(model_tok
 
 
 @compiler
-def test_a_bucketed_compiled_update_compiles_each_bucket_once(tiny_dir, tmp_path, even_reward):
+def test_a_bucketed_compiled_update_compiles_every_bucket_before_its_first_step(
+        tiny_dir, tmp_path, even_reward):
     """Prompts and completions of varying lengths (the completions cut to another length each
     step), micro-batches of 4 and a remainder, the reference model's log-probs, two length
-    buckets per dimension: a graph is made only in a step that meets a new bucket, one per
-    bucket and grad mode met, and the shapes met are among the buckets'."""
+    buckets per dimension: every (bucket, grad mode) is run by the warm-up before the first
+    step (`training._warm_up_update`), every graph is made there, none by a step, and the
+    shapes the steps meet are among the buckets'. With symbolic sizes the graphs are far fewer
+    than the shapes x modes (one per mode and size range)."""
     model, tok = load_pretrained(tiny_dir, device="cpu")
     config = GRPOConfig(steps=6, prompts_per_step=2, num_rollouts=3, max_new_tokens=16,
                         micro_batch_size=4, beta=0.05, skip_zero_advantage=False,
@@ -200,7 +203,7 @@ def test_a_bucketed_compiled_update_compiles_each_bucket_once(tiny_dir, tmp_path
 
     def spy_pad(input_ids, attention_mask, prompt_len, shape, pad_id=0):
         out = pad_pristine(input_ids, attention_mask, prompt_len, shape, pad_id)
-        met.setdefault((out[0].shape, torch.is_grad_enabled()), step[0])
+        met.setdefault((out[0].shape, torch.is_grad_enabled()), []).append(step[0])
         return out
 
     def hook(phase, s):
@@ -217,13 +220,15 @@ def test_a_bucketed_compiled_update_compiles_each_bucket_once(tiny_dir, tmp_path
     graphs[7] = counters["stats"]["unique_graphs"]
     assert not dict(grpo._BLOCK_COMPILE_FAILURES)  # the policy's and the reference's blocks
     assert len(prompt_lens) > 1 and not counters["graph_break"]
-    new_keys = {s: sum(first == s for first in met.values()) for s in range(1, 7)}
-    assert new_keys[1] > 0 and new_keys[3] > 0, met  # step 3: the 8-column bucket
-    for s in range(1, 7):  # graphs only where a step met a new (shape, grad mode)
-        assert (graphs[s + 1] > graphs[s]) == (new_keys[s] > 0), (graphs, met)
-    shapes_met = {shape for shape, _ in met}
-    assert len(shapes_met) <= shape.shape_count()
-    assert graphs[7] == len(met), (graphs, met)  # one graph per bucket and grad mode
+    buckets = {(r, shape.prompt_cols + c) for r in shape.row_sizes()
+               for c in shape.completion_sizes()}
+    warmed = {(tuple(k[0]), k[1]) for k, steps in met.items() if steps[0] == 0}
+    assert warmed == {(b, grad) for b in buckets for grad in (False, True)}, met
+    in_steps = {(tuple(k[0]), k[1]) for k, steps in met.items() if max(steps) > 0}
+    assert in_steps and in_steps <= warmed, met  # the steps meet warmed-up buckets only
+    assert any(k[0][1] == shape.prompt_cols + 8 and 3 in steps for k, steps in met.items())
+    assert len(set(graphs.values())) == 1, graphs  # no graph after the warm-up, none at the end
+    assert graphs[1] < len(warmed), graphs  # symbolic sizes: fewer graphs than shapes x modes
 
 
 def _spy_rollouts(check):
