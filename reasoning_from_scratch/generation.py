@@ -54,6 +54,7 @@ __all__ = [
     "sample_rollouts",
     "sample_rollouts_batch",
     "generate_batch",
+    "left_pad",
     "Branches",
     "prefill_rows",
     "gather_cache_rows",
@@ -744,7 +745,7 @@ def sample_response(
     return torch.cat([prompt_ids, completion]), prompt_ids.numel(), text
 
 
-def _left_pad(encoded: list[list[int]], pad_token_id: int | None):
+def left_pad(encoded: list[list[int]], pad_token_id: int | None):
     """Stack token lists flush right -> (input_ids (N, P), attention_mask (N, P) bool)."""
     for i, ids in enumerate(encoded):
         if not ids:
@@ -765,7 +766,7 @@ def _generate_from_texts(model, tokenizer, prompts, device, num_return_sequences
     Texts keep special tokens (so `<think>` stays visible) and drop the EOS that ended a row.
     """
     encoded = [tokenizer.encode(p) for p in prompts]
-    input_ids, attention_mask = _left_pad(encoded, getattr(tokenizer, "pad_token_id", None))
+    input_ids, attention_mask = left_pad(encoded, getattr(tokenizer, "pad_token_id", None))
     out = generate(
         model,
         input_ids.to(device),

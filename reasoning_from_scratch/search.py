@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generation import generate, generate_batch, stop_token_ids
+from .generation import generate, generate_batch, left_pad, stop_token_ids
 from .inference_scaling import (
     NO_ANSWER_SCORE,
     aggregate_step_scores,
@@ -69,25 +69,14 @@ def has_step_content(text: str) -> bool:
     return re.sub(STEP_TAG_PATTERN, "", _THINK_TAGS.sub("", text)).strip() != ""
 
 
-def _left_pad(rows: list[list[int]], pad: int):
-    """(input_ids (B, P), attention_mask (B, P)) of token lists, flush right."""
-    P = max(len(r) for r in rows)
-    ids = torch.full((len(rows), P), pad, dtype=torch.long)
-    mask = torch.zeros(len(rows), P, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, P - len(r):] = True
-    return ids, mask
-
-
 def _sample_chunks(model, tokenizer, texts, k, device, max_tokens, stops, eos, sampling,
                    batch_size):
     """For each text, k (chunk text, tokens, ended at EOS) up to the first stop token."""
     out = []
     per_batch = max(1, batch_size // k)
     for b in range(0, len(texts), per_batch):
-        ids, mask = _left_pad([tokenizer.encode(t) for t in texts[b:b + per_batch]],
-                              pad_id_of(tokenizer))
+        ids, mask = left_pad([tokenizer.encode(t) for t in texts[b:b + per_batch]],
+                             pad_id_of(tokenizer))
         gen = generate(model, ids.to(device), mask.to(device), max_new_tokens=max_tokens,
                        eos_token_id=stops, num_return_sequences=k, **sampling)
         for row in range(gen.completion_ids.shape[0]):

@@ -42,6 +42,7 @@ import copy
 import math
 import random
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 
@@ -51,6 +52,7 @@ from tqdm import tqdm
 from .checkpoints import (
     load_weights_into,
 )
+from .compile_check import CHECK_ROWS, check_decoding, check_logprobs
 from .distributed import (
     all_gather_objects,
     all_ranks,
@@ -78,6 +80,8 @@ from .fsdp import (
 )
 from .generation import (
     compile_decoding,
+    generate,
+    left_pad,
     reserve_decoding,
     stop_token_ids,
     warm_up_decoding,
@@ -771,6 +775,9 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     trained = model if replica is None else replica  # the policy's weights, whole
     policy = trained if sampler is None else sampler  # what samples and evaluates
     model.activation_checkpointing = config.activation_checkpointing  # the update's passes only
+    eval_set = list(eval_examples)[:config.eval_examples]
+    config, compile_report = _check_compiled_paths(policy, trained, tokenizer, train_examples,
+                                                   eval_set, device, config, prompt_fn)
     if config.supervision == "process" and advantage_fn is None:
         advantage_fn = _process_advantage_fn(policy, tokenizer, device, config)
     t_start = time.time()
@@ -780,7 +787,6 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     reward_names = getattr(reward_fn, "names", ["correct", "format"])
     columns = METRIC_COLUMNS + [f"{n}_mean" for n in reward_names
                                 if f"{n}_mean" not in METRIC_COLUMNS]
-    eval_set = list(eval_examples)[:config.eval_examples]
 
     torch.manual_seed(config.seed)
     random.seed(config.seed)
@@ -851,11 +857,95 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
                     hook("checkpoint", run.completed)
                     run.checkpoint()
         bar.close()
-        final, summary = run.finish(evaluate_now, interrupted, hook, lambda final: _summary(
-            run, final, len(eval_set), time.time() - t_start))
+        final, summary = run.finish(evaluate_now, interrupted, hook, lambda final: {
+            **_summary(run, final, len(eval_set), time.time() - t_start),
+            **({"compile_check": compile_report} if compile_report else {})})
     _print(config, f"held-out before: {_eval_line(run.base)}\nheld-out after:  "
                    f"{_eval_line(final)}\nwrote {out}")
     return summary
+
+
+def _check_compiled_paths(policy, trained, tokenizer, train_examples, eval_set, device, config,
+                          prompt_fn):
+    """The first-use check (compile_check.py) of a run that compiles its decoding or its update
+    -> (config, report). Decoding: the evaluation's first batch (the shape it compiles anyway),
+    greedy, compiled against eager, `trained` (the float32 weights behind a bfloat16 sampler)
+    setting the rounding tolerance. The update: the first CHECK_ROWS of those rows whose prompt
+    and completion fit the update's padded shapes. On a mismatch on any process: one warning
+    with the figures, and the run goes on eagerly (the returned config has compile and
+    compile_update off; it is the one config.json and the checkpoints record); the report goes
+    to summary.json either way. None: nothing compiled, no check."""
+    decode, update = compile_decoding(config.compile, device), compiles_update(config, device)
+    if not (decode or update) or not eval_set:
+        return config, None
+    t0 = time.time()
+    was_training = policy.training
+    policy.eval()
+    stops = stop_token_ids(tokenizer)
+    mine = shard(eval_set) or eval_set[:1]
+    prompts = sorted((prompt_fn(ex["problem"]) for ex in mine),
+                     key=lambda p: -len(tokenizer.encode(p)))[:config.eval_batch_size]
+    encoded = [tokenizer.encode(p) for p in prompts]
+    ids, mask = left_pad(encoded, pad_id_of(tokenizer))
+    ids, mask = ids.to(device), mask.to(device)
+    report = {}
+    if decode:
+        found = check_decoding(policy, ids, mask, config.eval_tokens, stops,
+                               reference=None if trained is policy else trained)
+        out = found.pop("output")
+        report["decoding"] = found
+    else:
+        out = generate(policy, ids, mask, config.eval_tokens, eos_token_id=stops)
+    policy.train(was_training)
+    if update:
+        report["update"] = _check_update(trained, tokenizer, train_examples, ids, mask, out,
+                                         config, device, prompt_fn)
+    ok = all_ranks(all(part.get("ok", True) for part in report.values()))
+    report.update(ok=ok, seconds=round(time.time() - t0, 3), fell_back_to_eager=not ok)
+    _print(config, f"compile check ({report['seconds']:.1f} s): {_check_line(report)}")
+    if not ok:
+        warnings.warn(f"the compiled paths disagree with the eager code ({_check_line(report)});"
+                      " this run goes on eagerly (compile and compile_update off). Run with "
+                      "--no-compile --no-compile-update to skip compiling, and please report "
+                      "the figures with your torch version and GPU", RuntimeWarning,
+                      stacklevel=3)
+        config = replace(config, compile=False, compile_update=False)
+    return config, report
+
+
+def _check_update(model, tokenizer, train_examples, ids, mask, out, config, device, prompt_fn):
+    """`compile_check.check_logprobs` of up to CHECK_ROWS decoded rows within the run's padded
+    update shapes (prompt columns cut to the longest of them; completions cut to the widest
+    bucket), or a report saying why none fit."""
+    shape = update_shape(config, tokenizer, train_examples, prompt_fn)
+    rows = min(CHECK_ROWS, shape.rows, ids.shape[0])
+    lead = int((~mask[:rows]).all(dim=0).cumprod(0).sum())  # columns of padding only
+    P = ids.shape[1] - lead
+    if P > shape.prompt_cols or not rows:
+        return {"ok": True, "skipped": f"the evaluation prompts ({P} tokens) are longer than "
+                                       f"the update's ({shape.prompt_cols})"}
+    cols = min(out.completion_ids.shape[1], shape.completion_cols)
+    seq = torch.cat([ids[:rows, lead:], out.completion_ids[:rows, :cols]], dim=1)
+    full = torch.cat([mask[:rows, lead:], out.completion_mask[:rows, :cols]], dim=1)
+    return check_logprobs(model, seq, full.long(), P, out.completion_mask[:rows, :cols], shape,
+                          lambda: update_autocast(config, device), config.chunk_size,
+                          config.temperature)
+
+
+def _check_line(report) -> str:
+    """One line of the compile check's figures."""
+    parts = []
+    if "decoding" in report:
+        d = report["decoding"]
+        parts.append(f"decoding {d['rows']} rows, {d['tokens']} tokens, "
+                     f"{'equal to' if d['tokens_equal'] else 'apart from'} eager, max logit gap "
+                     f"{d['max_logit_gap']:.3g} (tolerance {d['logit_tolerance']:.3g})")
+    if "update" in report:
+        u = report["update"]
+        parts.append(u["skipped"] if "skipped" in u else
+                     f"update log-probs of {u['rows']} rows within {u['max_logprob_diff']:.3g} "
+                     f"(tolerance {u['logprob_tolerance']:.3g})")
+    return "; ".join(parts)
 
 
 def _warm_up_decoding(model, tokenizer, train_examples, eval_set, config, prompt_fn):
