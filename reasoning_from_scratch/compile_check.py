@@ -128,7 +128,9 @@ def check_logprobs(model, input_ids, attention_mask, prompt_len: int, completion
             exact = logprobs(None, contextlib.nullcontext)  # float32, no autocast
     finally:
         model.train(was_training)
-    dtype = getattr(autocast(), "fast_dtype", None) or model.dtype  # a null context: none
+    ctx = autocast()
+    on = isinstance(ctx, torch.autocast) and ctx._enabled  # a null context: the model's dtype
+    dtype = ctx.fast_dtype if on else model.dtype
     rounding = None if torch.equal(eager, exact) else float((eager - exact).abs().max())
     size = float(eager.abs().max()) if eager.numel() else 0.0
     tol = rounding_tolerance(size, rounding, dtype)

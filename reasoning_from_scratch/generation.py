@@ -408,6 +408,17 @@ def _kv_storage(buffers: _DecodeBuffers, skey, layers, R, H, L, D, dtype, dev) -
     return buffers.storage[skey]
 
 
+def _mark_fixed_addresses(tensors: Sequence[torch.Tensor]) -> None:
+    """Tell torch.compile that these inputs of the decode step keep their addresses across
+    calls (`torch._dynamo.mark_static_address`), on CUDA: the step's CUDA graph then reads and
+    writes them where they are, instead of copying them into its own memory before every
+    replay, and a graph that writes an input not so marked would not be a CUDA graph at all.
+    Elsewhere nothing is recorded, so nothing is marked."""
+    for t in tensors:
+        if t.device.type == "cuda":
+            torch._dynamo.mark_static_address(t)
+
+
 def _storage_key(R, layers, H, D, dtype, dev) -> tuple:
     return (R, layers, H, D, dtype, torch.device(dev))
 
@@ -455,9 +466,7 @@ def _buffers(model, prefill: KVCache, R: int, L: int, N: int):
         mask=torch.zeros(R, N, dtype=torch.bool, device=dev),
         logps=torch.zeros(R, N, dtype=torch.float32, device=dev),
         uniforms=torch.zeros(R, 1, dtype=torch.float32, device=dev))
-    if dev.type == "cuda":  # updated in place by the graph: CUDA graphs keep their addresses
-        for t in [*static.tensors(), *state.tensors()]:
-            torch._dynamo.mark_static_address(t)
+    _mark_fixed_addresses([*static.tensors(), *state.tensors()])
     while len(buffers.shapes) >= _SHAPES_PER_MODEL:
         buffers.shapes.pop(next(iter(buffers.shapes)))  # the least recently used shape
     buffers.shapes[key] = static, state, store

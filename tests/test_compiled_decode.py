@@ -12,7 +12,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from reasoning_from_scratch import generation
+from reasoning_from_scratch import generation, grpo
 from reasoning_from_scratch.generation import generate
 from reasoning_from_scratch.qwen3 import KVCache, Qwen3Model, StaticKVCache, tiny_config
 
@@ -126,8 +126,10 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(model, monkeypatch
 
 
 def test_a_compiled_training_run_makes_no_graph_after_its_warm_up(tiny_dir, tmp_path):
-    """Prompts of different length buckets, rollouts and evaluations compiled: every graph is
-    made before the first step (`training._warm_up_decoding`), none by the steps."""
+    """Prompts of different length buckets, rollouts, evaluations and the update compiled: the
+    first-use check and the warm-ups (`training._warm_up_decoding`, `_warm_up_update`) make
+    every graph before the first step, none is made by the steps, the evaluations or the final
+    evaluation, and the check found the compiled paths equal to eager."""
     from reasoning_from_scratch.prompts import render_prompt
     from reasoning_from_scratch.training import GRPOConfig, train_grpo
     from reasoning_from_scratch.weights import load_pretrained
@@ -141,14 +143,18 @@ def test_a_compiled_training_run_makes_no_graph_after_its_warm_up(tiny_dir, tmp_
     config = GRPOConfig(steps=4, prompts_per_step=2, num_rollouts=2, max_new_tokens=6,
                         eval_every=2, eval_examples=2, eval_batch_size=1, sample_every=0,
                         seed=1, output_dir=str(tmp_path / "run"), progress=False, compile=True,
-                        compile_update=False)  # the update's graphs: test_compiled_update.py
+                        compile_update=True)
     graphs = {}
 
     def hook(phase, step):
         if phase == "rollouts":
             graphs[step] = counters["stats"]["unique_graphs"]
 
-    train_grpo(model, tok, train, held_out, "cpu", config, phase_hook=hook)
+    summary = train_grpo(model, tok, train, held_out, "cpu", config, phase_hook=hook)
     assert model not in generation._COMPILE_FAILURES, generation._COMPILE_FAILURES.get(model)
+    assert model not in grpo._BLOCK_COMPILE_FAILURES
     assert len(graphs) == 4 and len(set(graphs.values())) == 1, graphs
     assert counters["stats"]["unique_graphs"] == graphs[1]  # the last evaluation too
+    check = summary["compile_check"]
+    assert check["ok"] and check["decoding"]["tokens_equal"] and "max_logprob_diff" in check[
+        "update"]
