@@ -4,6 +4,14 @@ The one prepared script for a short GPU lease (one H200, minutes of device time 
 everything on random weights of the published shapes (nothing is downloaded). Its parts, in
 the order they run (`--budget-s`, below):
 
+0. compile_check, before any figure is trusted: the compiled paths against eager on the GPU
+   (`compile_check.py`, the check every compiled training run makes before its first step):
+   `--prompts` rows x `--new-tokens` tokens decoded greedily from the bfloat16 sampler of a
+   random float32 Qwen3-0.6B, compiled (CUDA graphs) and eager (equal tokens; every compiled
+   token a near-argmax of the eager logits, within 4x what bfloat16 rounding does to them
+   against the float32 model), and the update's log-probs of those rows through the compiled
+   blocks and eagerly, under bfloat16 autocast. A disagreement is printed in capitals: the
+   speed figures after it are then not results.
 1. grpo, at `--prompts` x G = `--num-rollouts` x the first of `--grpo-tokens` new tokens
    (16 x 8 x 256) on a random Qwen3-0.6B: steps of the training loop itself, each the two
    calls of a `train_grpo` step (`training._rollouts`, then `training._apply_update` with the
@@ -42,13 +50,14 @@ decoding is most of a step, and the one shape against transformers says where it
 the data-parallel part is the first run of the NCCL path at all; the rest widens shapes
 already measured, and the default run's tiny model is measured on the CPU already.
 
-**Budget.** The parts run in that order while `--budget-s` lasts (counted from the first part's
-start; importing torch and starting CUDA come before it): each under its own time limit,
+**Budget.** The parts run in that order while `--budget-s` lasts (counted from the first
+part's start; importing torch and starting CUDA come before it): each under its own time limit,
 `--limit-s` or what is left of the budget if less; a part that would start with less than
 `MIN_PART_S` left is skipped and recorded as such. A part over its limit is recorded as timed
 out (with the figures it had already measured) and the next one starts; a part that fails is
-recorded with its error. The default, 540 s, leaves room for the machine's start within about
-10 minutes of device time; compiles count inside the parts.
+recorded with its error. The default, 450 s, with the machine's start-up makes about 8 minutes
+of device time, compiles included (they count inside the parts); `--quick` keeps part 0, part
+1 at cuda-default only and part 2 at one shape, within 170 s (about 3 minutes).
 
 **Results** go to `--out` (docs/gpu_results.json by default on CUDA), written again after every
 part, so a lease that ends mid-run leaves what was measured:
@@ -73,7 +82,8 @@ part, so a lease that ends mid-run leaves what was measured:
 part's `ours_fast` (about a minute on a busy 2-core machine; what the tests run). Without CUDA
 and without `--device cpu` it says that it needs CUDA and exits 0.
 
-    python benchmarks/gpu_check.py                          # on a CUDA machine, ~10 minutes
+    python benchmarks/gpu_check.py                          # on a CUDA machine, ~8 minutes
+    python benchmarks/gpu_check.py --quick                  # ~3 minutes: check, step, decode
     PYTHONPATH=. python3 benchmarks/gpu_check.py --out $OUT/gpu_results.json  # not installed
     python benchmarks/gpu_check.py --parts grpo --grpo-setups cuda-default --limit-s 200
     python benchmarks/gpu_check.py --device cpu --out /tmp/gpu_results.json
@@ -100,8 +110,10 @@ from bench_generation import sync, timed
 from bench_grpo_step import PROBLEMS, NoEosTokenizer, even_fraction
 
 from reasoning_from_scratch.cli.arguments import add_seed_argument
+from reasoning_from_scratch.compile_check import check_decoding, check_logprobs
 from reasoning_from_scratch.files import atomic_write_json
 from reasoning_from_scratch.generation import generate
+from reasoning_from_scratch.grpo import FixedShape
 from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, Qwen3Config, Qwen3Model, tiny_config
 from reasoning_from_scratch.rewards import CompositeReward, RewardTerm
@@ -113,13 +125,17 @@ from reasoning_from_scratch.training import (
     compiles_update,
     sampler_dtype,
     sampling_replica,
+    update_autocast,
     update_shape,
 )
 from reasoning_from_scratch.validation import choice_list, positive_float, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
-PARTS = ("grpo", "decode", "data_parallel", "default_run")
+PARTS = ("compile_check", "grpo", "decode", "data_parallel", "default_run")
+# --quick: the compiled path's check, the cuda-default GRPO step and one decode shape
+QUICK = {"parts": ["compile_check", "grpo", "decode"], "grpo_setups": ["cuda-default"],
+         "budget_s": 170.0}
 # Qwen3-1.7B's published hyper-parameters (huggingface.co/Qwen/Qwen3-1.7B, config.json).
 QWEN3_1_7B_CONFIG = Qwen3Config(
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -242,6 +258,39 @@ def decode_dtype(device) -> torch.dtype:
 # ----------------------------------------------------------------------------------------------
 # grpo: steps of the training loop
 # ----------------------------------------------------------------------------------------------
+
+def compile_check_part(args, results):
+    """The compiled paths against eager on the GPU, before any figure is trusted
+    (`compile_check`): greedy decoding of `--prompts` rows x `--new-tokens` tokens from the
+    bfloat16 sampler of a random float32 Qwen3-0.6B (cuda-default's setup), compiled vs eager
+    (equal tokens; every compiled token a near-argmax of the eager logits, the float32 model
+    setting the rounding tolerance), and the update's log-probs of those rows through the
+    compiled blocks vs eager under bfloat16 autocast."""
+    dev = torch.device(args.device)
+    config = grpo_config("cuda-default", args.new_tokens, args)
+    torch.manual_seed(args.seed)
+    model = random_model(TINY if dev.type == "cpu" else QWEN3_0_6B_CONFIG, dev, torch.float32)
+    sampler = sampling_replica(model, dev, torch.bfloat16)
+    ids = torch.randint(1, model.cfg.vocab_size, (args.prompts, args.prompt_len), device=dev)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    found = check_decoding(sampler, ids, mask, args.new_tokens, None, reference=model)
+    out = found.pop("output")
+    shape = FixedShape(rows=args.prompts, prompt_cols=args.prompt_len,
+                       completion_cols=out.completion_ids.shape[1], compile=True)
+    seq = torch.cat([ids, out.completion_ids], dim=1)
+    update = check_logprobs(model, seq, torch.ones_like(seq), args.prompt_len,
+                            out.completion_mask, shape, lambda: update_autocast(config, dev),
+                            config.chunk_size, config.temperature)
+    results["compile_check"] = {"decoding": found, "update": update,
+                                "ok": found["ok"] and update["ok"]}
+    print(f"compile_check: decoding {'equal' if found['tokens_equal'] else 'NOT equal'} "
+          f"(max logit gap {found['max_logit_gap']:.3g}, tolerance "
+          f"{found['logit_tolerance']:.3g}); update log-probs within "
+          f"{update['max_logprob_diff']:.3g} (tolerance {update['logprob_tolerance']:.3g})"
+          + ("" if results["compile_check"]["ok"] else
+             "; THE COMPILED PATH DISAGREES WITH EAGER: its speed figures are not a result"),
+          flush=True)
+
 
 def grpo_config(setup: str, new_tokens: int, args, beta: float = 0.0) -> GRPOConfig:
     """The GRPOConfig of one setup (`GRPO_SETUPS`) at `new_tokens` tokens per rollout; with
@@ -411,6 +460,7 @@ def plan(args, results) -> list[tuple[str, Callable, tuple]]:
     shapes = [(f"decode {label}", decode_part, (label, cfg, rows, args, results))
               for label, cfg, rows in decode_shapes(args)]
     wanted = {
+        "compile_check": [("compile_check", compile_check_part, (args, results))],
         "grpo": [grpo(setup, first, False) for setup in args.grpo_setups],
         "decode": shapes[:1],
         "data_parallel": [("data_parallel two_steps", dp_two_steps_part, (args, results)),
@@ -421,7 +471,7 @@ def plan(args, results) -> list[tuple[str, Callable, tuple]]:
         "default_run": [("default_run", default_run_part, (args, results))],
     }
     return [job for group, jobs in wanted.items() if group.split()[0] in args.parts
-            for job in jobs]
+            and not (args.quick and group.endswith(" more")) for job in jobs]
 
 
 def within_budget(jobs, budget_s: float, limit_s: float, skipped: list,
@@ -446,7 +496,7 @@ def new_results(args) -> dict:
             "compile": args.compile, "budget_s": args.budget_s, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "grpo": {},
             "decode_tok_s": {"ours_eager": {}, "ours_fast": {}, "hf_static": {}},
-            "compile_s": {}, "host_syncs_per_token": {},
+            "compile_check": None, "compile_s": {}, "host_syncs_per_token": {},
             "data_parallel": {"two_steps": None, "startup": None}, "default_run": None,
             "part_s": {}, "skipped": [], "timed_out": [], "errors": {},
             "compile_failures": {}}
@@ -503,9 +553,14 @@ def parse_args(argv=None):
                    help="comma-separated parts: " + ", ".join(PARTS))
     p.add_argument("--out", type=Path, default=None,
                    help="results JSON (None: docs/gpu_results.json on CUDA; nothing on cpu)")
-    p.add_argument("--budget-s", type=positive_float, default=540.0,
+    p.add_argument("--budget-s", type=positive_float, default=450.0,
                    help="seconds for all parts together: parts run in priority order while it "
-                        "lasts, the rest are recorded as skipped")
+                        "lasts, the rest are recorded as skipped (450: with CUDA's start, about "
+                        "8 minutes)")
+    p.add_argument("--quick", action="store_true",
+                   help="a ~3-minute subset: the compile check, the cuda-default GRPO step and "
+                        "one decode shape, within 170 s (overrides --parts, --grpo-setups and "
+                        "--budget-s)")
     p.add_argument("--limit-s", type=positive_float, default=200.0,
                    help="time limit of each part (each decode shape, each GRPO setup, each "
                         "data-parallel measurement), compiles included")
@@ -540,6 +595,9 @@ def parse_args(argv=None):
                         "one-step run on cpu)")
     add_seed_argument(p, help="weights and sampling seed")
     args = p.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
     fill_defaults(args)
     return args
 

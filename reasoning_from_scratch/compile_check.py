@@ -14,15 +14,16 @@ What is compared, and within what:
 
 The tolerance of each is derived from the run itself (`rounding_tolerance`): four times what
 rounding alone does to the same quantity at this precision, measured as the largest difference
-between the eager values at the run's precision and at a higher one (the float32 trained model
-against a bfloat16 sampler; float32 logits against the autocast ones), and at least
-`FLOOR_ULPS` units of roundoff of the dtype at the values' size where no higher precision is at
-hand (float32 throughout).
+between the eager values at the run's precision and in float32 (the trained float32 model
+against a bfloat16 sampler, a float32 copy of a bfloat16 model, float32 log-probs against the
+autocast ones), and at least `FLOOR_ULPS` units of float32's roundoff at the values' size
+(float32 throughout: a fused kernel sums in another order).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 
 import torch
@@ -30,7 +31,8 @@ import torch
 from .generation import generate
 from .grpo import FixedShape, token_logprobs_and_entropy
 
-__all__ = ["rounding_tolerance", "check_decoding", "check_logprobs", "CHECK_ROWS"]
+__all__ = ["rounding_tolerance", "float32_twin", "check_decoding", "check_logprobs",
+           "CHECK_ROWS"]
 
 # Rows read teacher-forced (each one forward pass holding a (T, V) float32 logits block).
 CHECK_ROWS = 8
@@ -41,13 +43,22 @@ ROUNDING_MARGIN = 4.0
 FLOOR_ULPS = 64
 
 
-def rounding_tolerance(size: float, rounding: float | None, dtype) -> float:
+def rounding_tolerance(size: float, rounding: float | None) -> float:
     """How far a second correct computation of some values may land from them:
     ROUNDING_MARGIN x `rounding` (the largest difference between the same values computed
-    eagerly at this precision and at a higher one: what rounding does at this scale), at least
-    FLOOR_ULPS x eps(dtype) x max(1, `size`) (`size`: the largest |value|)."""
-    floor = FLOOR_ULPS * torch.finfo(dtype).eps * max(1.0, size)
+    eagerly at the run's precision and in float32: what rounding does at this scale; None when
+    the run computes in float32), at least FLOOR_ULPS x eps(float32) x max(1, `size`) (`size`:
+    the largest |value|)."""
+    floor = FLOOR_ULPS * torch.finfo(torch.float32).eps * max(1.0, size)
     return floor if rounding is None else max(floor, ROUNDING_MARGIN * rounding)
+
+
+def float32_twin(model):
+    """`model` itself if it computes in float32 or wider, else a frozen float32 copy (the
+    higher precision the tolerance is measured against)."""
+    if torch.finfo(model.dtype).bits >= 32:
+        return model
+    return copy.deepcopy(model).float().requires_grad_(False)
 
 
 def _first_difference(a, b) -> list[int] | None:
@@ -80,6 +91,8 @@ def check_decoding(policy, input_ids, attention_mask, max_new_tokens: int, eos_t
     first = _first_difference(fast.completion_ids * fast.completion_mask,
                               eager.completion_ids * eager.completion_mask)
     P = input_ids.shape[1]
+    if reference is None and policy.dtype != torch.float32:
+        reference = float32_twin(policy)
     gap = size = 0.0
     rounding = None if reference is None else 0.0
     for i in range(min(CHECK_ROWS, input_ids.shape[0])):
@@ -95,7 +108,7 @@ def check_decoding(policy, input_ids, attention_mask, max_new_tokens: int, eos_t
         if reference is not None:
             exact = _teacher_forced_logits(reference, fast.sequences[i], mask, P)[real]
             rounding = max(rounding, float((logits - exact).abs().max()))
-    tol = rounding_tolerance(size, rounding, policy.dtype)
+    tol = rounding_tolerance(size, rounding)
     return {"rows": int(input_ids.shape[0]), "tokens": int(fast.completion_mask.sum()),
             "tokens_equal": first is None, "first_difference": first,
             "max_logit_gap": gap, "logit_tolerance": tol,
@@ -114,26 +127,23 @@ def check_logprobs(model, input_ids, attention_mask, prompt_len: int, completion
     model.train()
     real = completion_mask.bool()
 
-    def logprobs(fixed_shape, ctx):
+    def logprobs(net, fixed_shape, ctx):
         with ctx():
-            logp, _ = token_logprobs_and_entropy(model, input_ids, attention_mask, prompt_len,
+            logp, _ = token_logprobs_and_entropy(net, input_ids, attention_mask, prompt_len,
                                                  completion_mask, chunk_size, False,
                                                  temperature, fixed_shape)
         return logp.detach()[real]
 
     try:
-        compiled = logprobs(shape, autocast)
-        eager = logprobs(None, autocast)
-        with torch.no_grad():
-            exact = logprobs(None, contextlib.nullcontext)  # float32, no autocast
+        compiled = logprobs(model, shape, autocast)
+        eager = logprobs(model, None, autocast)
+        with torch.no_grad():  # float32 weights, no autocast
+            exact = logprobs(float32_twin(model), None, contextlib.nullcontext)
     finally:
         model.train(was_training)
-    ctx = autocast()
-    on = isinstance(ctx, torch.autocast) and ctx._enabled  # a null context: the model's dtype
-    dtype = ctx.fast_dtype if on else model.dtype
     rounding = None if torch.equal(eager, exact) else float((eager - exact).abs().max())
     size = float(eager.abs().max()) if eager.numel() else 0.0
-    tol = rounding_tolerance(size, rounding, dtype)
+    tol = rounding_tolerance(size, rounding)
     diff = float((compiled - eager).abs().max()) if compiled.numel() else 0.0
     return {"rows": int(input_ids.shape[0]), "max_logprob_diff": diff,
             "logprob_tolerance": tol, "ok": math.isfinite(diff) and diff <= tol}

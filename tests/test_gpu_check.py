@@ -102,13 +102,17 @@ def test_the_plan_runs_the_most_wanted_parts_first(gpu_check):
         return [name for name, _, _ in gpu_check["plan"](args, {})]
 
     assert names(["--device", "cuda"]) == [
-        "grpo 16x8x256 cuda-default", "grpo 16x8x256 eager-update", "grpo 16x8x256 bf16-weights",
+        "compile_check", "grpo 16x8x256 cuda-default", "grpo 16x8x256 eager-update", "grpo 16x8x256 bf16-weights",
         "decode 0.6B x128", "data_parallel two_steps", "data_parallel startup",
         "decode 0.6B x512", "decode 1.7B x128", "grpo 16x8x512 cuda-default",
         "grpo 16x8x256 cuda-default +ref", "default_run"]
     assert names(["--device", "cpu", "--parts", "grpo,default_run",
                   "--grpo-setups", "bf16-weights"]) == [
         "grpo 2x2x4 bf16-weights", "grpo 2x2x4 cuda-default +ref", "default_run"]
+    # --quick: the check, today's CUDA step and one decode shape, in a 170 s budget
+    assert names(["--device", "cuda", "--quick"]) == [
+        "compile_check", "grpo 16x8x256 cuda-default", "decode 0.6B x128"]
+    assert gpu_check["parse_args"](["--quick"]).budget_s == 170.0
 
 
 def test_the_budget_limits_and_skips_parts(gpu_check):
@@ -148,7 +152,10 @@ def test_gpu_check_cpu_path_writes_every_figure(gpu_check, tmp_path):
     assert res["device"] == "cpu" and res["compile"] is False
     assert not res["errors"] and not res["timed_out"] and not res["skipped"]
     assert not res["compile_failures"]
-    assert len(res["part_s"]) == 8
+    assert len(res["part_s"]) == 9
+    check = res["compile_check"]  # compiled against eager, whatever --compile says
+    assert check["ok"] and check["decoding"]["tokens_equal"]
+    assert check["update"]["max_logprob_diff"] <= check["update"]["logprob_tolerance"]
     assert set(res["grpo"]) == {"2x2x4 cuda-default", "2x2x4 eager-update",
                                 "2x2x4 bf16-weights", "2x2x4 cuda-default +ref"}
     for label, g in res["grpo"].items():
