@@ -2,6 +2,8 @@
 checkpoints (both directions, and a malicious one refused), its download helpers (no network:
 the fetch is replaced) and its chapter 2-7 functions, on tiny hand-built models."""
 
+import hashlib
+import inspect
 import json
 import math
 import os
@@ -9,10 +11,12 @@ import pickle
 import shutil
 
 import pytest
+import requests
 import torch
 
 import reasoning_from_scratch.book as book
 import reasoning_from_scratch.downloads as downloads
+import reasoning_from_scratch.search as search
 from reasoning_from_scratch import ch02, ch02_ex, ch03, ch04, ch05, ch06, ch07, ch09, qwen3, utils
 from reasoning_from_scratch.datasets import load_arith, load_math500_test, load_math_train
 from reasoning_from_scratch.generation import generate
@@ -221,41 +225,130 @@ def test_tokenizer_book_form(book_tokenizer_dir):
 # ---------------------------------------------------------------- downloads (no network)
 
 
-@pytest.fixture()
-def fake_fetch(monkeypatch):
-    """Replace the one network call: URLs in `fail` raise, others write their URL as bytes."""
-    calls, fail = [], set()
+class _Response:
+    """What `requests.get(url, stream=True, timeout=...)` returns, for bytes `body` (None: 404)."""
 
-    def fetch(url, dest, **kw):
-        calls.append(url)
-        if url in fail:
-            raise OSError("no route to host")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_bytes(url.encode())
-        return dest
+    def __init__(self, url, body):
+        self.url, self.body, self.read = url, body, False
+        self.headers = {} if body is None else {"Content-Length": str(len(body))}
 
-    monkeypatch.setattr(downloads, "fetch_url", fetch)
-    return calls, fail
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def raise_for_status(self):
+        if self.body is None:
+            raise requests.HTTPError(f"404 Client Error: Not Found for url: {self.url}")
+
+    def iter_content(self, chunk_size):
+        self.read = True
+        for i in range(0, len(self.body), chunk_size):
+            yield self.body[i:i + chunk_size]
 
 
-def test_download_file_uses_a_cached_file_then_the_backup(tmp_path, fake_fetch):
-    calls, fail = fake_fetch
+@pytest.fixture(autouse=True)
+def server(monkeypatch):
+    """`requests.get` for every test here: `files` {url: bytes} are served (None: a 404),
+    `errors` {url: exception} are raised, any other URL is a connection error (no network in
+    tests)."""
+    class Server:
+        files, errors, calls = {}, {}, []
+
+    def get(url, **kwargs):
+        Server.calls.append((url, kwargs))
+        if url in Server.errors:
+            raise Server.errors[url]
+        if url not in Server.files:
+            raise requests.ConnectionError(f"no network in tests: {url}")
+        Server.responses.append(_Response(url, Server.files[url]))
+        return Server.responses[-1]
+
+    Server.files, Server.errors, Server.calls, Server.responses = {}, {}, [], []
+    monkeypatch.setattr(requests, "get", get)
+    return Server
+
+
+def test_download_file_checks_the_size_of_a_file_that_is_there(tmp_path, server, capsys):
+    url = "https://x.org/a.json"
+    server.files[url] = b"1234"
     cached = tmp_path / "a.json"
-    cached.write_text("old")
-    assert utils.download_file("https://x.org/a.json", out_dir=tmp_path) == cached
-    assert calls == [] and cached.read_text() == "old"
-    fail.add("https://x.org/b.json")
+    cached.write_bytes(b"abcd")  # same size as the server's: kept, the body is not read
+    assert utils.download_file(url, out_dir=tmp_path) == cached
+    assert cached.read_bytes() == b"abcd" and not server.responses[-1].read
+    assert server.calls == [(url, {"stream": True, "timeout": 30})]
+    cached.write_bytes(b"old")  # another size: downloaded again
+    utils.download_file(url, out_dir=tmp_path)
+    assert cached.read_bytes() == b"1234"
+    del server.files[url]  # offline: the file that is there is used
+    assert utils.download_file(url, out_dir=tmp_path) == cached
+    assert "using the file that is there" in capsys.readouterr().out
+
+
+def test_download_file_tries_the_backup_then_says_what_to_do(tmp_path, server):
+    server.files["https://y.org/b.json"] = b"backup"
     path = utils.download_file("https://x.org/b.json", tmp_path, backup_url="https://y.org/b.json")
-    assert path == tmp_path / "b.json" and path.read_text() == "https://y.org/b.json"
-    fail.add("https://y.org/c.json")
-    fail.add("https://x.org/c.json")
-    with pytest.raises(RuntimeError, match="(?s)Primary URL failed.*Backup URL failed.*curl"):
+    assert path == tmp_path / "b.json" and path.read_bytes() == b"backup"
+    assert [u for u, _ in server.calls] == ["https://x.org/b.json", "https://y.org/b.json"]
+    with pytest.raises(RuntimeError) as info:
         utils.download_file("https://x.org/c.json", tmp_path, backup_url="https://y.org/c.json")
+    message = str(info.value)
+    assert "Primary URL failed (https://x.org/c.json): ConnectionError" in message
+    assert "Backup URL failed (https://y.org/c.json)" in message
+    assert f"curl -L -o {tmp_path / 'c.json'} https://x.org/c.json" in message
+    assert downloads.TROUBLESHOOTING_URL in message and "VPN" not in message
+    assert not (tmp_path / "c.json").exists()
+    # a certificate error: the hint about VPNs and proxies that intercept HTTPS
+    server.errors["https://x.org/d.pth"] = requests.exceptions.SSLError("CERTIFICATE_VERIFY_FAILED")
+    with pytest.raises(RuntimeError, match="(?s)SSLError: CERTIFICATE_VERIFY_FAILED.*VPN, proxy"):
+        utils.download_file("https://x.org/d.pth", tmp_path)
 
 
-def test_the_books_file_urls(tmp_path, monkeypatch):
+def test_fetch_url_is_atomic_and_checks_size_and_sha256(tmp_path, server):
+    data = b"x" * (3 * downloads.CHUNK_BYTES // 2)  # two chunks
+    server.files["https://x.org/f"] = data
+    dest = tmp_path / "out" / "f"
+    downloads.fetch_url("https://x.org/f", dest, sha256=hashlib.sha256(data).hexdigest(),
+                        expected_size=len(data))
+    assert dest.read_bytes() == data
+    with pytest.raises(ValueError, match="sha256"):
+        downloads.fetch_url("https://x.org/f", dest, sha256="0" * 64)
+    with pytest.raises(ValueError, match="bytes"):
+        downloads.fetch_url("https://x.org/f", dest, expected_size=1)
+    server.files["https://x.org/missing"] = None  # the server answers 404
+    with pytest.raises(requests.HTTPError, match="404"):
+        downloads.fetch_url("https://x.org/missing", tmp_path / "m")
+    assert dest.read_bytes() == data  # the failed downloads left it alone, and no temp files
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["f", "out"]
+
+
+def test_every_download_is_one_requests_get(tmp_path, server, monkeypatch):
+    # the datasets, the book's loaders and the book's Qwen3 files all reach the stub
+    monkeypatch.setenv("RFS_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(FileNotFoundError, match="math500"):
+        load_math500_test(local_path=tmp_path / "none.json")
+    with pytest.raises(RuntimeError, match="tokenizer-base.json"):
+        qwen3.download_qwen3_small(tokenizer_only=True, out_dir=tmp_path)
+    with pytest.raises(requests.ConnectionError):
+        ch07.download_from_github("ch07/README.md", out=tmp_path / "r.md")
+    urls = [u for u, _ in server.calls]
+    assert urls[0].endswith("MATH-500/resolve/main/test.jsonl")
+    assert urls[-3].endswith("tokenizer-base.json") and urls[-1].endswith("ch07/README.md")
+    assert all(kw["stream"] and kw["timeout"] for _, kw in server.calls)  # never unbounded
+    # a local file given to the book's loaders is read, not downloaded
+    rows = [{"problem": "1+1", "answer": "2"}]
+    (tmp_path / "train.json").write_text(json.dumps(rows))
+    server.calls.clear()
+    assert ch06.load_math_train(local_path=tmp_path / "train.json") == rows
+    assert server.calls == []
+    # the book's modules have `requests` (their readers stub requests.get through them)
+    assert ch03.requests is ch06.requests is ch07.requests is utils.requests is requests
+
+
+def test_the_books_file_urls(monkeypatch):
     calls = []
-    monkeypatch.setattr(downloads, "download_file",
+    monkeypatch.setattr(qwen3, "download_file",  # where the book's readers patch it
                         lambda url, out_dir=".", backup_url=None: calls.append(
                             (url, out_dir, backup_url)) or "path")
     qwen3.download_qwen3_small(kind="reasoning", tokenizer_only=True, out_dir="d")
@@ -280,12 +373,13 @@ def test_the_books_file_urls(tmp_path, monkeypatch):
         qwen3.download_qwen3_small(kind="chat")
 
 
-def test_download_from_github(tmp_path, fake_fetch, capsys):
-    calls, _ = fake_fetch
+def test_download_from_github(tmp_path, server, capsys):
+    url = downloads.GITHUB_RAW + "ch07/README.md"
+    server.files[url] = b"# Chapter 7"
     out = ch07.download_from_github("ch07/README.md", out=tmp_path / "r.md")
-    assert calls == [downloads.GITHUB_RAW + "ch07/README.md"]
-    assert out.read_text().endswith("ch07/README.md")
-    assert ch07.download_from_github("ch07/README.md", out=out) == out and len(calls) == 1
+    assert [u for u, _ in server.calls] == [url] and out.read_bytes() == b"# Chapter 7"
+    assert ch07.download_from_github("ch07/README.md", out=out) == out
+    assert len(server.calls) == 1  # a file that is there: no request
     assert "KB" in capsys.readouterr().out
 
 
@@ -381,20 +475,21 @@ def test_refinement_prompts_hold_their_parts():
     assert r.endswith("Revised answer:") and "\\boxed{ANSWER}" in r
 
 
-def test_self_critique_loop_keeps_revisions_that_do_not_score_worse(tiny, monkeypatch):
+def test_self_refinement_loop_is_the_books_and_keeps_revisions_that_do_not_score_worse(
+        tiny, monkeypatch):
     model, tok = tiny
     texts = iter(["draft", "crit 1", "a longer draft", "crit 2", "short"])
     prompts = []
 
-    def fake(model_, tok_, prompt, device, max_new_tokens, **kw):
-        prompts.append((prompt, max_new_tokens, kw["temperature"]))
+    def fake(**kw):  # the book's loop passes every argument by name
+        prompts.append((kw["prompt"], kw["max_new_tokens"], kw["temperature"]))
         return next(texts)
 
-    monkeypatch.setattr(book, "generate_text_stream_concat_flex", fake)
-    out = ch05.self_critique_loop(model, tok, "Q", "cpu", iterations=2, max_response_tokens=9,
-                                  max_critique_tokens=3, temperature=0.3,
-                                  score_fn=lambda answer, prompt: len(answer),
-                                  prompt_renderer=lambda q: f"<{q}>", prompt_suffix="!")
+    monkeypatch.setattr(ch05, "generate_text_stream_concat_flex", fake)  # as the book's readers
+    out = ch05.self_refinement_loop(model, tok, raw_prompt="Q", device="cpu", iterations=2,
+                                    max_response_tokens=9, max_critique_tokens=3,
+                                    temperature=0.3, score_fn=lambda answer, prompt: len(answer),
+                                    prompt_renderer=lambda q: f"<{q}>", prompt_suffix="!")
     assert [s["score_before"] for s in out["steps"]] == [5, 14]
     assert [s["score_after"] for s in out["steps"]] == [14, 5]
     assert out["final_full"] == "a longer draft" == out["steps"][1]["draft_full"]
@@ -402,9 +497,12 @@ def test_self_critique_loop_keeps_revisions_that_do_not_score_worse(tiny, monkey
     assert "Critique:\ncrit 1" in prompts[2][0] and prompts[0][2] == 0.3
     # with the real generator on the tiny model: one draft, one critique, one revision
     monkeypatch.undo()
-    real = ch05.self_critique_loop(model, tok, "2+2", "cpu", iterations=1,
-                                   max_response_tokens=3, max_critique_tokens=2)
+    real = ch05.self_refinement_loop(model, tok, "2+2", "cpu", iterations=1,
+                                     max_response_tokens=3, max_critique_tokens=2)
     assert len(real["steps"]) == 1 and real["final_full"] == real["steps"][0]["revised_full"]
+    # this package's refinement with a step critic keeps its own home and signature
+    assert search.self_refinement_loop is not ch05.self_refinement_loop
+    assert "critic" in inspect.signature(search.self_refinement_loop).parameters
 
 
 # ---------------------------------------------------------------- chapter 3
@@ -542,10 +640,17 @@ def test_train_rlvr_grpo_updates_logs_and_checkpoints(tmp_path, monkeypatch):
     model, tok = load_pretrained("tiny-arith", device="cpu", dtype=torch.float32)
     data = load_arith("test", n=2, seed=0, level_weights=[1, 0, 0, 0, 0])
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.manual_seed(0)  # 4 samples of an easy problem: rewards differ, so there is a gradient
-    ch06.train_rlvr_grpo(model, tok, data, "cpu", steps=2, num_rollouts=4, max_new_tokens=48,
-                         temperature=1.0, top_p=1.0, checkpoint_every=2,
-                         checkpoint_dir=tmp_path, csv_log_path=tmp_path / "log" / "m.csv")
+    kw = dict(num_rollouts=4, max_new_tokens=8, temperature=1.0, top_p=1.0)
+    # the tiny model never boxes its answer: every reward is 0, nothing to learn, no update
+    torch.manual_seed(0)
+    ch06.train_rlvr_grpo(model, tok, data, "cpu", steps=1, checkpoint_every=0,
+                         csv_log_path=tmp_path / "flat.csv", **kw)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    # rewards that differ across the rollouts (the stub reaches the loss through ch06)
+    rewards = iter([1.0, 0.0] * 4)
+    monkeypatch.setattr(ch06, "reward_rlvr", lambda text, answer: next(rewards))
+    ch06.train_rlvr_grpo(model, tok, data, "cpu", steps=2, checkpoint_every=2,
+                         checkpoint_dir=tmp_path, csv_log_path=tmp_path / "log" / "m.csv", **kw)
     assert any(not torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     rows = (tmp_path / "log" / "m.csv").read_text().splitlines()
     assert rows[0] == "step,total_steps,loss,reward_avg,avg_response_len" and len(rows) == 3
@@ -553,7 +658,7 @@ def test_train_rlvr_grpo_updates_logs_and_checkpoints(tmp_path, monkeypatch):
     ids = torch.tensor([tok.encode("1+1=")])
     torch.testing.assert_close(load_book_checkpoint(ckpt, Qwen3Model(model.cfg))(ids), model(ids))
     # Ctrl-C in step 1: an "-interrupt" checkpoint, and the model comes back
-    monkeypatch.setattr(book, "compute_grpo_loss", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(ch06, "compute_grpo_loss", lambda *a, **k: (_ for _ in ()).throw(
         KeyboardInterrupt))
     assert ch06.train_rlvr_grpo(model, tok, data, "cpu", checkpoint_dir=tmp_path,
                                 csv_log_path=tmp_path / "m2.csv") is model
@@ -580,7 +685,7 @@ BOOK_NAMES = {  # what the book's chapter 2-7 notebooks and scripts import, by m
            "generate_text_temp_stream_cache", "generate_text_top_p_stream_cache",
            "self_consistency_vote"],
     ch05: ["heuristic_score", "avg_logprob_answer", "make_critique_prompt", "make_refine_prompt",
-           "self_refinement_loop", "self_critique_loop"],
+           "self_refinement_loop"],
     ch06: ["load_math_train", "sample_response", "reward_rlvr", "sequence_logprob",
            "compute_grpo_loss", "save_checkpoint", "append_csv_metrics", "train_rlvr_grpo"],
     ch07: ["THINK_TOKEN_ID", "END_THINK_TOKEN_ID", "download_from_github", "moving_average",
