@@ -10,6 +10,23 @@ from .distillation import (
     write_traces,
 )
 from .distillation_training import DistillConfig, split_traces, train_distillation
-from .downloads import download_qwen3_distill_checkpoints
 from .experiments.distill_vs_rl import run_distill_vs_rl
+from .qwen3 import download_qwen3_distill_checkpoints
 from .sft import collate, completion_loss, train_sft
+
+__all__ = [
+    "filter_traces",
+    "generate_distillation_data",
+    "read_traces",
+    "traces_to_documents",
+    "verify_trace",
+    "write_traces",
+    "DistillConfig",
+    "split_traces",
+    "train_distillation",
+    "download_qwen3_distill_checkpoints",
+    "run_distill_vs_rl",
+    "collate",
+    "completion_loss",
+    "train_sft",
+]

@@ -1,6 +1,6 @@
 """Math datasets as lists of `{"problem": str, "answer": str, ...}` dicts, with a download cache.
 
-Sources (public, fetched with urllib; nothing else is needed):
+Sources (public, fetched by `downloads.fetch_url`):
 - MATH-500 (the 500-problem test subset of MATH from "Let's Verify Step by Step", Lightman et al.
   2023), `HuggingFaceH4/MATH-500` test.jsonl;
 - the MATH training data minus the MATH-500 problems (12,000 problems; Hendrycks et al. 2021),
@@ -12,17 +12,14 @@ Files are cached in `~/.cache/reasoning_from_scratch` (or `$RFS_CACHE_DIR`, or `
 A local file path works too (`path=`), in either JSON-array or JSONL format.
 """
 
-import hashlib
 import json
 import os
-import tempfile
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from .arithmetic import make_split
+from .downloads import fetch_url
 from .files import atomic_write_json
 
 
@@ -81,29 +78,6 @@ def default_cache_dir():
     return Path(env).expanduser() if env else Path.home() / ".cache" / "reasoning_from_scratch"
 
 
-def fetch_url(url, dest, sha256=None, expected_size=None, timeout=60):
-    """Download `url` to `dest` atomically (temp file + os.replace), checking size/sha256."""
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".part")
-    try:
-        digest, size = hashlib.sha256(), 0
-        with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=timeout) as response:
-            while chunk := response.read(1 << 20):
-                f.write(chunk)
-                digest.update(chunk)
-                size += len(chunk)
-        if expected_size is not None and size != expected_size:
-            raise ValueError(f"{url}: got {size} bytes, expected {expected_size}")
-        if sha256 is not None and digest.hexdigest() != sha256:
-            raise ValueError(f"{url}: sha256 {digest.hexdigest()} != expected {sha256}")
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return dest
-
-
 def _resolve_file(name, path=None, cache_dir=None):
     """Return (local file, downloaded_now) for dataset `name`, downloading it if needed."""
     if path is not None:
@@ -121,7 +95,7 @@ def _resolve_file(name, path=None, cache_dir=None):
     for url in source.urls:
         try:
             return fetch_url(url, dest, sha256=source.sha256), True
-        except (urllib.error.URLError, OSError, ValueError) as err:
+        except (OSError, ValueError) as err:  # requests' errors are OSErrors
             errors.append(f"  {url}: {err}")
     raise FileNotFoundError(
         f"could not download the {name} dataset:\n" + "\n".join(errors) + "\n"

@@ -80,12 +80,18 @@ def get_last_boxed(text):
             return None  # `\boxedfoo` is some other command
         m = _UNBRACED_RE.match(text, i)
         return m.group(0) if m else None
+    return braced_content(text, i)
+
+
+def braced_content(text, i):
+    """The text inside the brace group that opens at `text[i]` (a "{"), nested braces kept;
+    None when it never closes (the answer was cut off)."""
     depth = 0
     for m in _BRACE_RE.finditer(text, i):  # nested braces, linear time even on huge texts
         depth += 1 if m.group(0) == "{" else -1
         if depth == 0:
             return text[i + 1 : m.start()]
-    return None  # unbalanced: the answer was cut off
+    return None
 
 
 def extract_final_candidate(text, fallback="number_then_full"):

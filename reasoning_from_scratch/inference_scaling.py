@@ -178,13 +178,16 @@ def majority_is_decided(answers: Sequence[str | None], remaining: int) -> bool:
     return leader > runner_up + remaining
 
 
-def _vote_result(texts: list[str], lengths: list[int], fallback: str) -> dict:
-    """The voting record of sampled completions (book keys plus counts of work done)."""
+def vote_record(texts: list[str], fallback: str, lengths: list[int] | None = None) -> dict:
+    """The voting record of sampled completions `texts`: the book's keys (final_answer,
+    full_answers, short_answers, counts, groups, majority_winners) plus votes, num_samples and,
+    given their token counts `lengths`, num_generated_tokens. Short answers by `fallback`
+    (`extract_answers`), pooled as in `majority_vote`."""
     short = extract_answers(texts, fallback)
     buckets = pool_answers(short)
     final, votes = majority_vote(short)
     top = max((len(idx) for _, idx in buckets), default=0)
-    return {
+    record = {
         "final_answer": final,
         "votes": votes,
         "full_answers": texts,
@@ -194,8 +197,10 @@ def _vote_result(texts: list[str], lengths: list[int], fallback: str) -> dict:
         # the book's key: every answer with the top vote count (several on a tie)
         "majority_winners": [rep for rep, idx in buckets if len(idx) == top],
         "num_samples": len(texts),
-        "num_generated_tokens": int(sum(lengths)),
     }
+    if lengths is not None:
+        record["num_generated_tokens"] = int(sum(lengths))
+    return record
 
 
 def self_consistency_vote(model, tokenizer, prompt: str, device, num_samples: int = 10,
@@ -244,7 +249,7 @@ def self_consistency_vote(model, tokenizer, prompt: str, device, num_samples: in
                                                             remaining):
             stopped_early = True
             break
-    return {**_vote_result(texts, lengths, fallback), "stopped_early": stopped_early}
+    return {**vote_record(texts, fallback, lengths), "stopped_early": stopped_early}
 
 
 def self_consistency_vote_batch(model, tokenizer, prompts: Sequence[str], device,
@@ -265,7 +270,7 @@ def self_consistency_vote_batch(model, tokenizer, prompts: Sequence[str], device
                                        temperature=temperature, top_p=top_p, top_k=top_k,
                                        generator=generator)
         for ro in groups:
-            results.append({**_vote_result(ro.texts, ro.lengths.tolist(), fallback),
+            results.append({**vote_record(ro.texts, fallback, ro.lengths.tolist()),
                             "stopped_early": False})
     return results
 

@@ -47,16 +47,21 @@ def moving_average(values, window_fraction=0.25):
     return out
 
 
-def _read_columns(csv_path, columns):
-    """Steps and the requested columns (floats or None) of a metrics.csv."""
+def _read_columns(csv_path, columns, skip_missing=False):
+    """Steps and the requested columns (floats or None) of a metrics.csv; with `skip_missing`,
+    a column the file lacks is left out of the data instead of raising."""
     with open(csv_path, newline="") as f:
         reader = csv.DictReader(f)
-        missing = [c for c in ["step", *columns] if c not in (reader.fieldnames or [])]
+        header = reader.fieldnames or []
+        missing = [c for c in ["step", *columns] if c not in header]
+        if skip_missing and "step" in header:
+            missing = []
         if missing:
             raise ValueError(f"{csv_path}: no column(s) {missing}; has {reader.fieldnames}")
         rows = list(reader)
     steps = [float(r["step"]) for r in rows]
-    data = {c: [float(r[c]) if r[c] not in ("", None) else None for r in rows] for c in columns}
+    data = {c: [float(r[c]) if r[c] not in ("", None) else None for r in rows]
+            for c in columns if c in header}
     return steps, data
 
 
@@ -102,29 +107,39 @@ def _draw_curve(ax, xs, ys):
     ax.legend(fontsize=8, loc="best")
 
 
-def _panel_grid(n: int, panel_height: float):
-    """A figure with n panels, two per row, and their axes in order."""
+def _panel_grid(n: int, panel_height: float, fig: Figure | None = None):
+    """A figure with n panels, two per row, and their axes in order; drawn into `fig` when
+    given (e.g. a pyplot figure), else into a new Agg figure."""
     ncols = min(2, n)
     nrows = math.ceil(n / ncols)
-    fig = Figure(figsize=(6 * ncols, panel_height * nrows), layout="constrained")
-    FigureCanvasAgg(fig)
+    if fig is None:
+        fig = Figure(layout="constrained")
+        FigureCanvasAgg(fig)
+    else:
+        fig.set_layout_engine("constrained")
+    fig.set_size_inches(6 * ncols, panel_height * nrows)
     return fig, [fig.add_subplot(nrows, ncols, i + 1) for i in range(n)]
 
 
-def plot_grpo_metrics(csv_path, columns, save_as=None, base=None):
+def plot_grpo_metrics(csv_path, columns, save_as=None, base=None, fig=None, skip_missing=False):
     """One panel per column of a metrics.csv: raw (faint) and moving average; eval columns as bars.
 
     Evaluation columns get the starting model's value as a grey bar at step 0 (`base`, see
     `base_values`: given, or read from the run's summary.json). A curve whose moving average
     equals its raw values (too few points for a window) is drawn once. Returns the matplotlib
-    Figure; writes a PNG to `save_as` when given.
+    Figure; writes a PNG to `save_as` when given. `fig`: an empty figure to draw into (default:
+    a new one, without pyplot). A column the CSV lacks is an error, or, with `skip_missing`,
+    gets no panel (the book's rule).
     """
     columns = list(columns)
     if not columns:
         raise ValueError("plot_grpo_metrics: no columns to plot")
-    steps, data = _read_columns(csv_path, columns)
+    steps, data = _read_columns(csv_path, columns, skip_missing)
+    columns = [c for c in columns if c in data]
+    if not columns:
+        raise ValueError(f"plot_grpo_metrics: none of the columns is in {csv_path}")
     starts = base_values(csv_path, base)
-    fig, axes = _panel_grid(len(columns), panel_height=2.8)
+    fig, axes = _panel_grid(len(columns), panel_height=2.8, fig=fig)
     for col, ax in zip(columns, axes):
         points = [(s, v) for s, v in zip(steps, data[col]) if v is not None]
         if col in BAR_COLUMNS and (points or col in starts):

@@ -30,7 +30,10 @@ also takes the book's config dict (``QWEN_CONFIG_06_B``: ``emb_dim``, ``n_layers
 ``cfg`` answers the book's keys (``model.cfg["n_layers"]``), ``load_state_dict`` also accepts
 the book's ``.pth`` names (``tok_emb``, ``trf_blocks.N.att.W_query``, ``final_norm.scale``,
 ``out_head``; ``book_to_hf_state_dict`` / ``hf_to_book_state_dict`` convert both ways), and
-``KVCache(n_layers=...)`` has the book's ``get`` / ``update`` / ``reset``.
+``KVCache(n_layers=...)`` has the book's ``get`` / ``update`` / ``reset``. The book's
+downloaders of its Qwen3-0.6B files live here too, as in the book's module
+(``download_qwen3_small``, ``download_qwen3_grpo_checkpoints``,
+``download_qwen3_distill_checkpoints``; the bytes come through ``downloads.download_file``).
 """
 
 from __future__ import annotations
@@ -46,11 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .downloads import (
-    download_qwen3_distill_checkpoints,
-    download_qwen3_grpo_checkpoints,
-    download_qwen3_small,
-)
+from .downloads import download_file
 from .tokenizer import Qwen3Tokenizer
 
 __all__ = [
@@ -60,7 +59,7 @@ __all__ = [
     "book_to_hf_state_dict",
     "hf_to_book_state_dict",
     "load_hf_weights_into_qwen",
-    # the book's qwen3 module also offers these (their homes: tokenizer.py, downloads.py)
+    # the book's qwen3 module also offers these (the tokenizer's home: tokenizer.py)
     "Qwen3Tokenizer",
     "download_qwen3_small",
     "download_qwen3_grpo_checkpoints",
@@ -748,10 +747,12 @@ class Qwen3Model(nn.Module):
         book_dict = isinstance(cfg, Mapping)
         if book_dict:
             cfg = Qwen3Config.from_book_dict(cfg)
+            rng = torch.random.get_rng_state()  # the book's init draws from here (below)
         self.cfg = cfg
         self.model = Qwen3Decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.reset_parameters()
+        if not book_dict:
+            self.reset_parameters()
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # the same Parameter
         # RoPE tables: derived data, not weights, so non-persistent (absent from state_dict).
@@ -763,6 +764,8 @@ class Qwen3Model(nn.Module):
         self.activation_checkpointing = False
         if book_dict:
             self.to(getattr(torch, cfg.torch_dtype))
+            torch.random.set_rng_state(rng)
+            self.reset_parameters_like_book()
 
     def reset_kv_cache(self) -> None:
         """The book's call before a new generation; a no-op here, where the KVCache (not the
@@ -780,6 +783,25 @@ class Qwen3Model(nn.Module):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
             elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def reset_parameters_like_book(self) -> None:
+        """The book's random init, draw for draw: torch's default inits (embedding normal(0, 1),
+        linears kaiming-uniform) in the order the book's Qwen3Model creates its modules
+        (embedding; per block query, key, value, output, then gate, up, down; output head), in
+        the weights' dtype, norms ones. A model built from the book's dict starts this way, so
+        ``torch.manual_seed(s); Qwen3Model(QWEN_CONFIG_06_B)`` has the weights of the book's
+        model built after the same seed."""
+        self.model.embed_tokens.reset_parameters()
+        for block in self.model.layers:
+            att, mlp = block.self_attn, block.mlp
+            for linear in (att.q_proj, att.k_proj, att.v_proj, att.o_proj,
+                           mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                linear.reset_parameters()  # kaiming_uniform_(a=sqrt(5)); no bias
+        if self.lm_head.weight is not self.model.embed_tokens.weight:
+            self.lm_head.reset_parameters()
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
     @property
@@ -988,3 +1010,89 @@ def load_hf_weights_into_qwen(model: Qwen3Model, param_config: Mapping, params: 
     if "lm_head.weight" not in params:
         params["lm_head.weight"] = params["model.embed_tokens.weight"]
     model.load_state_dict(params)
+
+
+# --------------------------------------------------------------------------------------
+# The book's Qwen3-0.6B files: weights, tokenizers, GRPO and distillation checkpoints
+# --------------------------------------------------------------------------------------
+# Here, as in the book's qwen3 module, so that a stub of `qwen3.download_file` (the book's
+# readers patch it there) is the one these functions call. URLs: the book's repository,
+# chapter 2 and appendix D.
+
+QWEN3_SMALL_REPO = "https://huggingface.co/rasbt/qwen3-from-scratch/resolve/main"
+QWEN3_SMALL_BACKUP = "https://f001.backblazeb2.com/file/reasoning-from-scratch/qwen3-0.6B"
+QWEN3_SMALL_FILES = {
+    "base": {"model": "qwen3-0.6B-base.pth", "tokenizer": "tokenizer-base.json"},
+    "reasoning": {"model": "qwen3-0.6B-reasoning.pth", "tokenizer": "tokenizer-reasoning.json"},
+}
+GRPO_CHECKPOINTS_REPO = (
+    "https://huggingface.co/rasbt/qwen3-from-scratch-grpo-checkpoints/resolve/main")
+GRPO_CHECKPOINTS_BACKUP = (
+    "https://f001.backblazeb2.com/file/reasoning-from-scratch/qwen3-0.6B-checkpoints")
+# The book's chapter 6-7 GRPO runs: grpo_type -> folder of the checkpoint repository.
+GRPO_CHECKPOINT_FOLDERS = {
+    "no_kl": "grpo_original_no_kl",
+    "tracking": "7_3_plus_tracking/checkpoints",
+    "clip_ratio": "7_4_plus_clip_ratio/checkpoints",
+    "kl": "7_5_plus_kl/checkpoints",
+    "format_reward": "7_6_plus_format_reward/checkpoints",
+}
+DISTILL_CHECKPOINTS_REPO = (
+    "https://huggingface.co/rasbt/qwen3-from-scratch-distill-checkpoints/resolve/main")
+# The book's chapter 8 distillation runs: teacher -> (folder, {step: file name}).
+DISTILL_CHECKPOINTS = {
+    "deepseek_r1": ("ch08_distill_deepseek_r1/checkpoints", {
+        "06682": "qwen3-0.6B-distill-step06682-epoch1.pth",
+        "13364": "qwen3-0.6B-distill-step13364-epoch2.pth",
+        "20046": "qwen3-0.6B-distill-step20046-epoch3.pth",
+    }),
+    "qwen3_235b_a22b": ("ch08_distill_qwen3_235b_a22b/checkpoints", {
+        "05746": "qwen3-0.6B-distill-step05746-epoch1.pth",
+        "11492": "qwen3-0.6B-distill-step11492-epoch2.pth",
+        "17238": "qwen3-0.6B-distill-step17238-epoch3.pth",
+    }),
+}
+
+
+def download_qwen3_small(kind: str = "base", tokenizer_only: bool = False, out_dir=".") -> None:
+    """The book's Qwen3-0.6B files: `kind` 'base' or 'reasoning'; weights (.pth) and tokenizer."""
+    if kind not in QWEN3_SMALL_FILES:
+        raise ValueError(f"kind must be 'base' or 'reasoning', got {kind!r}")
+    for part in ["tokenizer"] if tokenizer_only else ["model", "tokenizer"]:
+        name = QWEN3_SMALL_FILES[kind][part]
+        download_file(f"{QWEN3_SMALL_REPO}/{name}", out_dir=out_dir,
+                      backup_url=f"{QWEN3_SMALL_BACKUP}/{name}")
+
+
+def _step_string(step) -> str:
+    """'50' or 50 -> '00050' (the book's five-digit step numbers); other strings unchanged."""
+    step = str(step)
+    return step.zfill(5) if step.isdigit() else step
+
+
+def download_qwen3_grpo_checkpoints(grpo_type: str = "no_kl", step="00050", out_dir="."):
+    """One of the book's chapter 6-7 GRPO checkpoints (.pth, the book's parameter names)."""
+    if grpo_type not in GRPO_CHECKPOINT_FOLDERS:
+        raise ValueError(f"grpo_type must be one of {list(GRPO_CHECKPOINT_FOLDERS)}, "
+                         f"got {grpo_type!r}")
+    step = _step_string(step)
+    name = f"qwen3-0.6B-rlvr-grpo-step{step}.pth"
+    folder = GRPO_CHECKPOINT_FOLDERS[grpo_type]
+    backup = None
+    if grpo_type == "no_kl" and step == "00050":  # the one checkpoint with a mirror
+        backup = f"{GRPO_CHECKPOINTS_BACKUP}/{folder}/{name}"
+    return download_file(f"{GRPO_CHECKPOINTS_REPO}/{folder}/{name}", out_dir=out_dir,
+                         backup_url=backup)
+
+
+def download_qwen3_distill_checkpoints(distill_type: str = "deepseek_r1", step="06682",
+                                       out_dir="."):
+    """One of the book's chapter 8 distillation checkpoints (.pth, the book's names)."""
+    if distill_type not in DISTILL_CHECKPOINTS:
+        raise ValueError(f"distill_type must be one of {list(DISTILL_CHECKPOINTS)}, "
+                         f"got {distill_type!r}")
+    folder, files = DISTILL_CHECKPOINTS[distill_type]
+    step = _step_string(step)
+    if step not in files:
+        raise ValueError(f"step must be one of {list(files)} for {distill_type}, got {step!r}")
+    return download_file(f"{DISTILL_CHECKPOINTS_REPO}/{folder}/{files[step]}", out_dir=out_dir)
