@@ -49,6 +49,17 @@ def rounding_bound(scale: float, terms: int, dtype: torch.dtype = torch.float32)
     return 2 * LAMBDA * math.sqrt(terms) * unit_roundoff(dtype) * scale
 
 
+def assert_rounded_alike(got, want, terms: int, dtype: torch.dtype | None = None) -> float:
+    """`got` and `want` (tensors or dicts of them) are one computation summed in other orders:
+    within `rounding_bound` of the size of `want`, in `want`'s dtype unless given. Returns the
+    difference."""
+    first = want if isinstance(want, torch.Tensor) else next(iter(want.values()))
+    dtype = dtype or first.dtype
+    diff, bound = max_diff(got, want), rounding_bound(max_abs(want), terms, dtype)
+    assert diff <= bound, f"max diff {diff:.2e} > {bound:.2e} ({terms} terms, {dtype})"
+    return diff
+
+
 def forward_terms(cfg, seq_len: int) -> int:
     """Terms summed along one forward pass of a Qwen3 model (`qwen3.Qwen3Config`) over
     `seq_len` positions: per block the two RMSNorms' means (hidden), the q/k/v projections
@@ -81,6 +92,7 @@ def max_diff(a, b) -> float:
     """The largest |a - b| of two tensors or of two dicts of tensors (the same keys)."""
     if isinstance(a, torch.Tensor):
         return (a.detach() - b.detach()).abs().max().item()
+    assert a.keys() == b.keys(), f"other tensors: {sorted(a.keys() ^ b.keys())}"
     return max(max_diff(a[k], b[k]) for k in a)
 
 
