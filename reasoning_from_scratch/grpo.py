@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .generation import sample_rollouts_batch
 from .prompts import render_prompt
+from .qwen3 import at_least_float32
 from .rewards import build_reward
 from .tokenizer import pad_id_of
 
@@ -167,7 +168,7 @@ def sequence_logprob_and_entropy(model, token_ids, prompt_len):
 
 def _logprob_entropy_chunk(head, h, targets, with_entropy, temperature=1.0):
     """log p(target) (n,) and entropy (n,) for hidden states h (n, H); logits live only here."""
-    logits = head(h).float()  # (n, V) float32
+    logits = at_least_float32(head(h))  # (n, V) float32 (float64 for a float64 model)
     if temperature != 1.0:
         logits = logits / temperature  # the distribution the sampler drew from (see caller)
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -435,8 +436,9 @@ def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len
         logp_parts.append(lp)
         ent_parts.append(ent)
 
-    logp = hidden.new_zeros((B, Tc), dtype=torch.float32)
-    entropy = hidden.new_zeros((B, Tc), dtype=torch.float32)
+    dtype = torch.promote_types(hidden.dtype, torch.float32)  # the chunks' (float32 or wider)
+    logp = hidden.new_zeros((B, Tc), dtype=dtype)
+    entropy = hidden.new_zeros((B, Tc), dtype=dtype)
     if logp_parts:
         # masked_scatter fills the True positions in row-major order, matching h = hidden[mask].
         logp = logp.masked_scatter(mask, torch.cat(logp_parts))
@@ -445,7 +447,7 @@ def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len
         # No answer token: h is (0, H) and the sum of its (0, V) logits an exact 0 that still
         # has a grad_fn through the head too, so a loss on these zeros can call .backward() (all
         # gradients 0) and every parameter gets one (DDP reduces only once all of them have).
-        zero = head(h).sum().float() * 0
+        zero = at_least_float32(head(h).sum()) * 0
         logp, entropy = logp + zero, entropy + zero
     return logp, entropy
 

@@ -296,8 +296,16 @@ def tiny_config(vocab_size: int = 256, **overrides) -> Qwen3Config:
 # --------------------------------------------------------------------------------------
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or in its own dtype where that is wider: bf16 squares, softmaxes and
+    log-softmaxes lose too much precision, and a float64 model (the equivalence tests) keeps
+    all of its precision instead of rounding to float32 midway."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 (Zhang & Sennrich, 2019)."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 or wider (Zhang & Sennrich,
+    2019)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -306,7 +314,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype
-        x = x.float()  # bf16 squares lose too much precision
+        x = at_least_float32(x)  # bf16 squares lose too much precision
         x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         # Same order as the reference: cast back first, then scale by the weight.
         return self.weight * x.to(in_dtype)

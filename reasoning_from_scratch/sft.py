@@ -25,7 +25,7 @@ from tqdm import tqdm
 from .distributed import all_reduce_sum, data_parallel, shard, world_size
 from .fsdp import dummy_backward, is_sharded
 from .interrupts import defer_interrupts
-from .qwen3 import KVCache
+from .qwen3 import KVCache, at_least_float32
 
 # ----------------------------------------------------------------------------------------------
 # Documents -> padded batches
@@ -135,7 +135,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.
 def completion_loss(model, prefix: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor,
                     reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of the completion tokens of a collated batch (prompt and padding are -100)."""
-    logits = batch_logits(model, prefix, inputs).float()  # (B, T, V)
+    logits = at_least_float32(batch_logits(model, prefix, inputs))  # (B, T, V)
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
                            reduction=reduction)
 

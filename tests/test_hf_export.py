@@ -5,7 +5,8 @@ of one, the bundled tiny model)."""
 import shutil
 
 import pytest
-from test_distributed import _max_diff, _run_here, _weights
+from test_distributed import _run_here, _weights
+from tolerance import max_diff, saved_weights
 
 from reasoning_from_scratch.checkpoints import checkpoint_problem, find_checkpoint
 from reasoning_from_scratch.fsdp import SHARDED_DIR
@@ -40,9 +41,9 @@ def test_checkpoints_lack_the_hf_weights_unless_asked_and_final_has_them(runs):
         assert has_weights(runs / name / "final")
     assert find_checkpoint(runs / "default").name in ("checkpoint-2", "final")
     # the export holds the weights of its step: checkpoint-2's are final/'s
-    exported = load_pretrained(runs / "exported" / "checkpoint-2", device="cpu")[0].state_dict()
-    assert _max_diff(exported, _weights(runs / "exported")) == 0.0
-    assert _max_diff(_weights(runs / "default"), _weights(runs / "exported")) == 0.0
+    exported = saved_weights(runs / "exported" / "checkpoint-2")
+    assert max_diff(exported, _weights(runs / "exported")) == 0.0
+    assert max_diff(_weights(runs / "default"), _weights(runs / "exported")) == 0.0
 
 
 def test_a_checkpoint_without_hf_weights_resumes_exactly(runs):
@@ -52,7 +53,7 @@ def test_a_checkpoint_without_hf_weights_resumes_exactly(runs):
         target = out / later
         shutil.rmtree(target) if target.is_dir() else target.unlink()
     _run_here(["--resume", str(out), "--no-progress", "--threads", "1"])
-    assert _max_diff(_weights(out), _weights(runs / "default")) == 0.0
+    assert max_diff(_weights(out), _weights(runs / "default")) == 0.0
 
 
 def test_save_pretrained_without_weights_writes_the_rest(tmp_path):

@@ -33,6 +33,12 @@ SHORT_THREADS_HELP = ("torch CPU threads (1 is fastest for the tiny model on a b
                       "'none': torch's default)")
 SEED_HELP = "random seed for sampling"
 
+# --dtype of a run's weights. float64 is for checks: two runs that sum in another order (other
+# process counts, FSDP) then agree to ~1e-14 instead of float32's ~1e-5 (tests/tolerance.py).
+RUN_DTYPES = ("float32", "bfloat16", "float64")
+DTYPE_HELP_FLOAT64 = ("; float64: to check that two runs agree (other process counts, FSDP, "
+                      "a resume): they then differ by ~1e-14, float32's rounding ~1e-5")
+
 # --threads: a count, or 0 / 'none' for torch's default (the scripts' help texts use either)
 threads_arg = arg_type(int, optional(at_least(0)), allow_none=True)
 
@@ -43,6 +49,12 @@ SAMPLING_FLAGS = {
     "top_p": (probability_float, "nucleus sampling threshold (only used when temperature > 0)"),
     "top_k": (positive_int, "sample only among the k most likely tokens (None: no limit)"),
 }
+
+
+def add_dtype_argument(parser, help) -> None:
+    """--dtype: the weights' dtype of a run (float32 by default, `RUN_DTYPES`)."""
+    parser.add_argument("--dtype", default="float32", choices=RUN_DTYPES,
+                        help=help + DTYPE_HELP_FLOAT64)
 
 
 def add_model_argument(parser, help=MODEL_HELP, default="tiny-arith") -> None:

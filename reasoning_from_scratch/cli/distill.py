@@ -62,12 +62,13 @@ from ..run_dir import mark_stopped, stoppable_before_run, write_run_config
 from ..training import GRPOConfig
 from ..validation import arg_type, positive_int
 from ..weights import load_pretrained
-from .arguments import add_runtime_arguments, add_sampling_arguments
+from .arguments import add_dtype_argument, add_runtime_arguments, add_sampling_arguments
 from .launch import add_timeout_argument, run_in_process_group
 from .train import (
     add_data_arguments,
     add_report_argument,
     check_report_backends,
+    explicit_flags,
     load_grpo_data,
     run_cli,
 )
@@ -152,8 +153,7 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
                    help="no progress bars")
     add_runtime_arguments(p)
     add_timeout_argument(p)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="dtype of teacher and student")
+    add_dtype_argument(p, "dtype of teacher and student")
     return p
 
 
@@ -189,7 +189,7 @@ def _resolve(parser, args, argv):
         "teacher", "teacher_run_dir", "student", "traces", "verify_traces", "dataset",
         "eval_split", "train_examples", "train_level_weights", "num_samples", "max_per_problem",
         "check_steps", "teacher_temperature", "teacher_top_p", "max_new_tokens",
-        "prompts_per_batch")}
+        "prompts_per_batch", "dtype")}
     try:
         if args.device:
             check_device(args.device)
@@ -210,6 +210,8 @@ def _resolve(parser, args, argv):
                       "report_to": args.report_to if report_given
                       else saved.get("report_to", ())}
             data = read_json(run_dir / "data.json")
+            if "dtype" in explicit_flags(argv) or "dtype" not in data:
+                data["dtype"] = args.dtype  # else the run's own: a resumed run keeps it
         else:
             ckpt = None
             values["output_dir"] = args.output_dir or time.strftime("runs/ch09-%Y%m%d-%H%M%S")
@@ -279,7 +281,7 @@ def parse_distill_args(argv, description: str) -> DistillRun:
     args = parser.parse_args(argv)
     config, data, ckpt = _resolve(parser, args, argv)
     restart = bool(args.resume) and ckpt is None  # no checkpoint yet: the run starts over
-    return DistillRun(config, data, ckpt, args.device, args.threads, args.dtype,
+    return DistillRun(config, data, ckpt, args.device, args.threads, data["dtype"],
                       args.overwrite or restart, args.dist_timeout_minutes)
 
 

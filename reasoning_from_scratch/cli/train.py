@@ -51,7 +51,7 @@ from ..interrupts import exit_status
 from ..tracking import REPORT_CHOICES, missing_backend, report_targets
 from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
 from ..validation import arg_type, optional_positive_int
-from .arguments import add_model_argument, add_runtime_arguments
+from .arguments import add_dtype_argument, add_model_argument, add_runtime_arguments
 from .launch import add_timeout_argument, run_in_process_group
 
 # Help, range and choices of every GRPOConfig field live in its metadata (training.py)
@@ -145,8 +145,7 @@ def build_parser(description, defaults: GRPOConfig, run_prefix):
                         "e.g. --steps)")
     add_runtime_arguments(p)
     add_timeout_argument(p)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="model dtype for training (float32 keeps small AdamW updates exact)")
+    add_dtype_argument(p, "model dtype for training (float32 keeps small AdamW updates exact)")
     add_config_arguments(p, defaults)
     return p
 
@@ -185,14 +184,14 @@ def load_grpo_data(dataset, train_examples=None, eval_split="test", eval_example
     return train, held_out
 
 
-# saved in data.json, reused on resume
-DATA_FLAGS = ("dataset", "eval_split", "train_examples", "train_level_weights")
+# saved in data.json, reused on resume (the weights' dtype too: a resumed run keeps it)
+DATA_FLAGS = ("dataset", "eval_split", "train_examples", "train_level_weights", "dtype")
 
 
 def resolve_run(parser, args, argv, run_prefix):
     """(GRPOConfig, data flags, model source, checkpoint or None) for the parsed flags; refuses
     (parser.error, exit 2) anything that would fail later, before a file is written."""
-    explicit = _explicit_flags(argv)
+    explicit = explicit_flags(argv)
     values = {f.name: getattr(args, f.name) for f in fields(GRPOConfig) if f.name != "output_dir"}
     data = {k: getattr(args, k) for k in DATA_FLAGS}
     try:
@@ -255,7 +254,8 @@ def parse_train_args(argv, description, defaults: GRPOConfig, run_prefix) -> Tra
     args = parser.parse_args(argv)
     config, data, source, ckpt = resolve_run(parser, args, argv, run_prefix)
     restart = bool(args.resume) and ckpt is None  # no checkpoint yet: the run starts over
-    return TrainRun(config, data, source, ckpt, args.device, args.threads, args.dtype,
+    return TrainRun(config, data, source, ckpt, args.device, args.threads,
+                    data.get("dtype", args.dtype),  # a data.json from before it was saved
                     args.overwrite or restart, args.dist_timeout_minutes)
 
 
@@ -303,7 +303,7 @@ def _print_on_rank_0(message):
         print(message)
 
 
-def _explicit_flags(argv):
+def explicit_flags(argv):
     """Config field names whose flags appear on the command line (to override a resumed run)."""
     given = set()
     for arg in (argv if argv is not None else sys.argv[1:]):
