@@ -42,13 +42,19 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from reasoning_from_scratch import distributed, fsdp
 from reasoning_from_scratch.memory import count_parameters
 from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, Qwen3Model
 from reasoning_from_scratch.run_log import read_metrics
 from reasoning_from_scratch.validation import positive_int
-from reasoning_from_scratch.weights import load_pretrained, resolve_model_dir, save_pretrained
+from reasoning_from_scratch.weights import (
+    SINGLE_FILE,
+    load_pretrained,
+    resolve_model_dir,
+    save_pretrained,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"data-parallel": [], "fsdp": ["--fsdp"]}
@@ -74,10 +80,14 @@ def figures(rows):
             "tokens_per_s": sum(r["gen_tokens"] for r in rows) / max(step, 1e-9)}
 
 
-def max_weight_diff(a, b):
-    """Largest absolute difference between two runs' final/ weights."""
-    wa = load_pretrained(a / "final", device="cpu")[0].state_dict()
-    wb = load_pretrained(b / "final", device="cpu")[0].state_dict()
+def saved_state(model_dir, dtype=None) -> dict:
+    """A saved model's tensors as saved (a float64 run's stay float64), or cast to `dtype`."""
+    state = load_file(str(Path(model_dir) / SINGLE_FILE))
+    return state if dtype is None else {k: v.to(dtype) for k, v in state.items()}
+
+
+def max_weight_diff(wa: dict, wb: dict) -> float:
+    """Largest absolute difference between two state dicts (the same keys)."""
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
@@ -173,14 +183,25 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--startup-worker"]:  # one process of measure_startup
         return startup_worker(*argv[1:5])
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=positive_int, default=5)
-    p.add_argument("--processes", type=positive_int, default=2)
-    p.add_argument("--repeats", type=positive_int, default=2)
-    p.add_argument("--prompts-per-step", type=positive_int, default=16)
-    p.add_argument("--num-rollouts", type=positive_int, default=8)
-    p.add_argument("--max-new-tokens", type=positive_int, default=112)
-    p.add_argument("--eval-examples", type=positive_int, default=4)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=positive_int, default=5, help="GRPO steps of each run")
+    p.add_argument("--processes", type=positive_int, default=2, help="torchrun processes")
+    p.add_argument("--repeats", type=positive_int, default=2,
+                   help="runs of each mode, alternating (the figures are their means)")
+    p.add_argument("--prompts-per-step", type=positive_int, default=16,
+                   help="prompts per step, over all processes")
+    p.add_argument("--num-rollouts", type=positive_int, default=8, help="rollouts per prompt")
+    p.add_argument("--max-new-tokens", type=positive_int, default=112,
+                   help="longest rollout, in tokens")
+    p.add_argument("--eval-examples", type=positive_int, default=4,
+                   help="held-out examples of the final evaluation")
+    p.add_argument("--train-level-weights", default=None,
+                   help="ch07_train.py's --train-level-weights (None: its default); '1,1,0,0,0' "
+                        "keeps to the short problems a few tokens can solve")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                   help="the runs' weights: float64 makes the two runs agree far beyond "
+                        "rounding (the weight difference is then a check of the sharding)")
     p.add_argument("--startup", action="store_true",
                    help="measure the start-up peak memory per process instead (see above)")
     p.add_argument("--startup-model", choices=("0.6B", "tiny"), default="0.6B",
@@ -199,14 +220,20 @@ def main(argv=None):
              "--num-rollouts", str(args.num_rollouts), "--max-new-tokens",
              str(args.max_new_tokens), "--eval-examples", str(args.eval_examples),
              "--eval-every", "0", "--checkpoint-minutes", "0", "--threads", "1",
-             "--device", "cpu", "--no-progress"]
+             "--device", "cpu", "--no-progress", "--dtype", args.dtype,
+             "--warmup-steps", "0"]  # the first update moves the weights: the weight check
+    if args.train_level_weights is not None:
+        flags += ["--train-level-weights", args.train_level_weights]
     results = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
             for mode, extra in MODES.items():  # alternating: drift hits both alike
                 out = Path(tmp) / f"{mode}-{rep}"
                 results[mode].append(figures(run_once(out, [*flags, *extra], args.processes)))
-        diff = max_weight_diff(Path(tmp) / "data-parallel-0", Path(tmp) / "fsdp-0")
+        plain = saved_state(Path(tmp) / "data-parallel-0" / "final")
+        diff = max_weight_diff(plain, saved_state(Path(tmp) / "fsdp-0" / "final"))
+        start = saved_state(resolve_model_dir("tiny-arith"), getattr(torch, args.dtype))
+        moved = max_weight_diff(plain, start)  # how far training moved the weights
     mean = {mode: {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
             for mode, runs in results.items()}
     print(f"{args.processes} processes, {args.steps} steps of {args.prompts_per_step} x "
@@ -217,8 +244,10 @@ def main(argv=None):
                        ("update_s", "  updates (s)"), ("tokens_per_s", "tokens / s")):
         dp, fs = mean["data-parallel"][key], mean["fsdp"][key]
         print(f"{label:18}{dp:15.2f}{fs:12.2f}{fs / max(dp, 1e-9):11.2f}x")
-    print(f"largest weight difference between the two final/: {diff:.2e}")
-    return {"runs": results, "mean": mean, "max_weight_diff": diff, "args": vars(args)}
+    print(f"largest weight difference between the two final/: {diff:.2e} ({args.dtype}; "
+          f"training moved the weights by up to {moved:.2e})")
+    return {"runs": results, "mean": mean, "max_weight_diff": diff, "max_weight_moved": moved,
+            "args": vars(args)}
 
 
 if __name__ == "__main__":

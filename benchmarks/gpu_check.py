@@ -72,8 +72,8 @@ part, so a lease that ends mid-run leaves what was measured:
 - decode_tok_s.{ours_eager, ours_fast, hf_static} (each {shape: tokens/s}), compile_s,
   host_syncs_per_token (CUDA only);
 - data_parallel: two_steps {plain, fsdp: {wall_s, steps}, max_diff: {loss, reward_mean},
-  flags}; startup {peaks: {before, sharded: [bytes]}, params, ratio (sharded / before),
-  shape, replica_dtype};
+  flags, values: {plain, fsdp: {loss, reward_mean: [per step]}}}; startup {peaks: {before,
+  sharded: [bytes]}, params, ratio (sharded / before), shape, replica_dtype};
 - default_run {wall_s, final_accuracy, base_accuracy, args};
 - part_s {part: seconds}, skipped, timed_out, errors {part: message}, compile_failures {part:
   [the package's warnings that torch.compile failed and the code ran eagerly]}.
@@ -421,7 +421,8 @@ def dp_two_steps_part(args, results):
             rows[mode] = read_metrics(out / "metrics.csv")
             runs[mode] = {"wall_s": wall, "steps": len(rows[mode])}
     results["data_parallel"]["two_steps"] = {
-        **runs, "max_diff": max_metric_diff(rows["plain"], rows["fsdp"]), "flags": args.dp_args}
+        **runs, "max_diff": max_metric_diff(rows["plain"], rows["fsdp"]), "flags": args.dp_args,
+        "values": {mode: {k: [r[k] for r in rows[mode]] for k in COMPARED} for mode in rows}}
 
 
 def dp_startup_part(args, results):
@@ -589,7 +590,8 @@ def parse_args(argv=None):
                    help="the GPU's dense bf16 peak for MFU (989: H100/H200 SXM)")
     p.add_argument("--dp-args", default=None,
                    help="ch07_train.py flags of the two-step runs with and without --fsdp "
-                        "(None: 2 steps, 16 held-out examples, no compiling; smaller on cpu)")
+                        "(None: 2 steps, 16 held-out examples, no compiling; smaller on cpu, "
+                        "in float64 there: the two runs then agree to the printed digits)")
     p.add_argument("--run-args", default=None,
                    help="extra ch07_train.py flags of the default run (None: none on CUDA; a "
                         "one-step run on cpu)")
@@ -611,7 +613,7 @@ def fill_defaults(args) -> None:
                             ("num_rollouts", 8, 2), ("grpo_tokens", [256, 512], [4]),
                             ("grpo_steps", 2, 1), ("compile", True, False),
                             ("dp_args", f"{dp} --eval-examples 16",
-                             f"{dp} --eval-examples 2 {small}"),
+                             f"{dp} --eval-examples 2 {small} --dtype float64"),
                             ("run_args", "", f"--steps 1 --eval-examples 2 {small}")):
         if getattr(args, name) is None:
             setattr(args, name, tiny if cpu else gpu)

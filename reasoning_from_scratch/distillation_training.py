@@ -108,6 +108,10 @@ class DistillConfig:
         False, "shard the student's weights, gradients and AdamW state over the torchrun "
         "processes (FSDP2, fsdp.py); evaluation runs on an unsharded replica; sharded "
         "checkpoints")
+    activation_checkpointing: bool = option(
+        False, "recompute each decoder block in the backward pass instead of keeping its "
+        "activations (torch.utils.checkpoint): an update's activation memory drops to the "
+        "blocks' inputs for one more forward pass of compute (docs/data_parallel.md)")
     export_hf_checkpoints: bool = option(
         False, "with --fsdp: also write the whole weights in Hugging Face layout into every "
         "checkpoint-<k> (rank 0 writes a full copy of the model while the other processes "
@@ -196,6 +200,7 @@ def train_distillation(student, tokenizer, records, eval_examples, device, confi
     if config.fsdp:  # shard before the optimizer exists: AdamW then holds shards only
         student, replica = shard_with_replica(student, device)
     policy = student if replica is None else replica  # what evaluates
+    student.activation_checkpointing = config.activation_checkpointing  # the updates' passes only
 
     def evaluate_now():  # its decoding polls for an agreed stop (`stops`, below)
         with polling_stops(stops):

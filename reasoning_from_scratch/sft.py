@@ -81,7 +81,15 @@ def batch_logits(model, prefix: torch.Tensor, inputs: torch.Tensor) -> torch.Ten
     once with batch size 1 and its keys/values are repeated for the B rows (KVCache.expand);
     gradients flow through the cache, so this equals running the full sequences, only cheaper.
     Padding is on the right, after every real token, so the causal mask alone suffices.
+
+    With `model.activation_checkpointing` the rows run whole instead (prefix then inputs, the
+    same logits): a block that writes a KV cache is never recomputed (`Qwen3Model._block`), so
+    through the shared prefix's cache nothing would be checkpointed. The prefix's compute is
+    then paid B times, for the memory of one block input per block.
     """
+    if model.activation_checkpointing and prefix.numel() > 0:
+        full = torch.cat([prefix.expand(inputs.shape[0], -1), inputs], dim=1)  # (B, P + T)
+        return model.lm_head(model.forward_hidden(full)[:, prefix.numel():])  # (B, T, V)
     if prefix.numel() == 0:  # `forward` spelled out: a sharded model (fsdp.shard_model) runs
         return model.lm_head(model.forward_hidden(inputs))  # forward_hidden as its forward
     cache = KVCache(model.cfg.num_hidden_layers)

@@ -23,6 +23,8 @@ from reasoning_from_scratch.interrupts import EXIT_STOPPED
 from reasoning_from_scratch.run_log import read_metrics
 from reasoning_from_scratch.weights import load_pretrained
 
+pytestmark = pytest.mark.slow  # process groups under torchrun: pyproject.toml's markers
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120  # a tiny run takes seconds; one still going after this is stuck
 DTYPE = torch.float64  # of the runs compared: rounding ~1e-16, summed in any order

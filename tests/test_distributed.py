@@ -25,6 +25,8 @@ from reasoning_from_scratch.run_log import read_metrics
 from reasoning_from_scratch.training import TIMING_COLUMNS, rollout_generators
 from reasoning_from_scratch.weights import load_pretrained, resolve_model_dir
 
+pytestmark = pytest.mark.slow  # process groups under torchrun: pyproject.toml's markers
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The bundled model (its rollouts earn rewards, so the updates are real) on short level-1/2

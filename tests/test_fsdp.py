@@ -33,6 +33,8 @@ from reasoning_from_scratch.weights import load_pretrained, save_pretrained
 # test_distributed's recipe (DAPO's token mean, batch-std advantages, dynamic sampling: uneven
 # shares, so the processes run different numbers of micro-batches; two inner epochs, old
 # log-probs from the replica; a KL reference), with shorter answers and evaluation.
+pytestmark = pytest.mark.slow  # process groups under torchrun: pyproject.toml's markers
+
 SHORTER = {"--max-new-tokens": "40", "--eval-examples": "2"}
 FLAGS = [SHORTER.get(prev, flag) for prev, flag in zip([None, *DP_FLAGS], DP_FLAGS)]
 

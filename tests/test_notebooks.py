@@ -40,7 +40,7 @@ import pytest
 
 nbformat = pytest.importorskip("nbformat")
 
-pytestmark = pytest.mark.notebooks
+pytestmark = [pytest.mark.notebooks, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"

@@ -26,6 +26,8 @@ from reasoning_from_scratch.datasets import load_dataset_by_name
 from reasoning_from_scratch.training import GRPOConfig
 from reasoning_from_scratch.weights import load_pretrained
 
+pytestmark = pytest.mark.slow  # process groups under torchrun: pyproject.toml's markers
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerance import training_bound
 
 from reasoning_from_scratch.experiments.process_vs_outcome import (
     plot_process_vs_outcome,
@@ -348,9 +349,12 @@ def test_bench_inference_scaling_tiny_run():
 
 def test_bench_fsdp_tiny_run():
     main = _script_main("benchmarks/bench_fsdp.py", "bench_fsdp")
-    out = main(["--steps", "1", "--repeats", "1", "--prompts-per-step", "2", "--num-rollouts",
-                "2", "--max-new-tokens", "8", "--eval-examples", "1"])
+    out = main(["--steps", "1", "--repeats", "1", "--prompts-per-step", "4", "--num-rollouts",
+                "4", "--max-new-tokens", "48", "--eval-examples", "1", "--dtype", "float64",
+                "--train-level-weights", "1,1,0,0,0"])  # rewards that differ: a real update
     for mode in ("data-parallel", "fsdp"):
         (run,) = out["runs"][mode]
         assert run["step_s"] > 0 and run["tokens_per_s"] > 0
-    assert out["max_weight_diff"] < 1e-5  # the same run either way
+    # the same run either way: in float64 the weights agree to sqrt(eps) of how far they moved
+    assert out["max_weight_moved"] > 1e-5  # AdamW's first step: about lr (1e-4) per weight
+    assert out["max_weight_diff"] <= training_bound(out["max_weight_moved"])

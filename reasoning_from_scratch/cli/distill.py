@@ -128,7 +128,7 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
     for f in fields(DistillConfig):
         if f.name in ("progress", "output_dir"):
             continue
-        if f.name in ("fsdp", "export_hf_checkpoints"):
+        if f.name in ("fsdp", "export_hf_checkpoints", "activation_checkpointing"):
             p.add_argument("--" + f.name.replace("_", "-"), action="store_true",
                            help=DISTILL_HELP[f.name])
             continue
