@@ -14,9 +14,10 @@ import warnings
 
 import torch
 from graph_replay import GraphReplay, HostSyncs, replay_decode_steps
+from tolerance import max_diff
 from torch._dynamo.utils import counters
 
-from reasoning_from_scratch import compile_check, generation, grpo, training
+from reasoning_from_scratch import compile_check, distributed, fsdp, generation, grpo, training
 from reasoning_from_scratch.fsdp import refresh_replica
 from reasoning_from_scratch.generation import generate
 from reasoning_from_scratch.grpo import FixedShape
@@ -162,6 +163,35 @@ def test_refreshing_the_bf16_sampler_keeps_its_addresses_and_the_compiled_step_r
     tol = compile_check.rounding_tolerance(
         float(exact[real].abs().max()), float((eager.logprobs - exact)[real].abs().max()))
     assert float((fast.logprobs - eager.logprobs)[real].abs().max()) <= tol
+
+
+def test_refreshing_the_fsdp_replica_after_a_sharded_update_keeps_its_addresses():
+    """`fsdp.shard_with_replica` (a process group of one, Gloo): after an AdamW step on the
+    shards, `refresh_replica` writes the gathered weights into the replica in place: every
+    replica parameter at its address (a CUDA graph of the sampler reads it there), equal to the
+    sharded model's whole weights, which the step moved; the compiled step reads them."""
+    distributed.init_distributed("cpu", group_of_one=True)
+    try:
+        model, replica = fsdp.shard_with_replica(_model().float(), "cpu", torch.float32)
+        before = {n: p.data_ptr() for n, p in replica.named_parameters()}
+        old = {n: p.detach().clone() for n, p in replica.named_parameters()}
+        ids, mask = _prompts()
+        kw = dict(max_new_tokens=8, eos_token_id=EOS, return_logprobs=True)
+        first = generate(replica, ids, mask, compile=True, **kw)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model.lm_head(model.forward_hidden(ids)).logsumexp(-1).mean().backward()
+        optimizer.step()
+        refresh_replica(replica, model)
+        whole = fsdp.full_state(model)
+        assert {n: p.data_ptr() for n, p in replica.named_parameters()} == before
+        for n, p in replica.named_parameters():
+            assert torch.equal(p.detach(), whole[n]), n
+        assert max_diff({n: whole[n] for n in old}, old) > 1e-3  # the step moved them
+        fast = generate(replica, ids, mask, compile=True, **kw)
+        assert not torch.allclose(fast.logprobs, first.logprobs)  # the new weights are read
+        assert torch.equal(fast.sequences, generate(replica, ids, mask, **kw).sequences)
+    finally:
+        distributed.shutdown_distributed()
 
 
 def test_a_training_run_keeps_every_decode_address_after_its_warm_up(tiny_dir, tmp_path,
