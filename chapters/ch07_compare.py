@@ -21,6 +21,7 @@ from dataclasses import fields
 import torch
 
 from reasoning_from_scratch.cli.arguments import (
+    add_dtype_argument,
     add_model_argument,
     add_runtime_arguments,
     set_threads,
@@ -67,6 +68,7 @@ def build_parser():
                    help="experiment directory (run directories, base.json, results)")
     add_data_arguments(p)
     add_runtime_arguments(p)
+    add_dtype_argument(p, "weights' dtype of every run (float32 keeps small AdamW updates exact)")
     g = p.add_argument_group("GRPO settings shared by every arm (an arm overrides its own)")
     add_config_arguments(g, GRPOConfig(**COMPARISON_DEFAULTS))
     return p
@@ -84,7 +86,7 @@ def main(argv=None):
         parser.error(str(err))
     set_threads(args.threads)
     device = get_device(args.device)
-    model, tokenizer = load_pretrained(args.model, device=device, dtype=torch.float32)
+    model, tokenizer = load_pretrained(args.model, device=device, dtype=getattr(torch, args.dtype))
     data = {k: getattr(args, k) for k in DATA_FLAGS}
     train, held_out = load_grpo_data(args.dataset, args.train_examples, args.eval_split,
                                      args.eval_examples, args.train_level_weights)
