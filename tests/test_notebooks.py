@@ -26,7 +26,8 @@ they run, they are clean, they match the package, their text agrees with their o
   at least 8 figures each (embedded diagrams plus plots among the outputs), chapters 3, 4, 5,
   8 and 9 embed at least two diagrams each.
 
-Select these tests with `pytest -m notebooks`, skip them with `pytest -m "not notebooks"`.
+`pytest -m notebooks` selects the executions, `pytest -m "not notebooks"` skips them; the checks
+of the stored notebooks are quick and always run.
 """
 
 import ast
@@ -39,8 +40,6 @@ from pathlib import Path
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
-
-pytestmark = [pytest.mark.notebooks, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -260,6 +259,8 @@ def _execute_script():
     return module
 
 
+@pytest.mark.notebooks
+@pytest.mark.slow  # every notebook executed: most of the suite's notebook time
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_notebook_runs(path, tmp_path, monkeypatch, capsys):
     pytest.importorskip("ipykernel")
