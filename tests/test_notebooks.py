@@ -5,6 +5,8 @@ they run, they are clean, they match the package, their text agrees with their o
   (notebooks/execute.py's `execute_notebook`: no network, one CPU thread); its wall time is
   printed and must stay under 3 minutes for a chapter, 1 minute for a solutions notebook (set
   RFS_NOTEBOOK_TIME_LIMIT_S / RFS_SOLUTIONS_TIME_LIMIT_S to change the limits, 0 to disable).
+  Two notebooks execute at a time (each kernel computes on one thread, and the suite's machine
+  has two cores; RFS_NOTEBOOK_WORKERS changes it), so the executions take half the wall time.
 - They are committed executed (`python notebooks/execute.py`): at least 80% of the code cells
   have outputs, the cells were run in order, no output is an error, from chapter 4 on at least one
   plot in the chapter notebook; every source line is at most 100 characters.
@@ -35,9 +37,12 @@ import importlib.util
 import os
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+import reasoning_from_scratch
 
 nbformat = pytest.importorskip("nbformat")
 
@@ -51,6 +56,7 @@ MAX_LINE = 100
 CELL_TIMEOUT_S = 300
 TIME_LIMIT_S = float(os.environ.get("RFS_NOTEBOOK_TIME_LIMIT_S", "180"))
 SOLUTIONS_TIME_LIMIT_S = float(os.environ.get("RFS_SOLUTIONS_TIME_LIMIT_S", "60"))
+NOTEBOOK_WORKERS = int(os.environ.get("RFS_NOTEBOOK_WORKERS", "2"))  # kernels running at once
 MIN_OUTPUT_SHARE = 0.8
 EXERCISES = (2, 3)  # exercises per chapter, at least and at most
 MAX_CELL_LINES = 30
@@ -259,19 +265,10 @@ def _execute_script():
     return module
 
 
-@pytest.mark.notebooks
-@pytest.mark.slow  # every notebook executed: most of the suite's notebook time
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
-def test_notebook_runs(path, tmp_path, monkeypatch, capsys):
-    pytest.importorskip("ipykernel")
-    import reasoning_from_scratch
-
-    execute = _execute_script()
-    for key, value in execute.KERNEL_ENV.items():
-        monkeypatch.setenv(key, value)  # (execute_notebook sets them; undone after the test)
-    execute.write_kernelspec(tmp_path)
+def _run_notebook(path, kernels):
+    """Execute notebook `path` in a fresh kernel (not saved); returns the wall seconds. A first
+    cell proves the kernel runs this interpreter and imports this checkout's package."""
     nb = _read(path)
-    # First, prove the kernel runs this interpreter and imports this checkout's package.
     check = (
         "import sys, reasoning_from_scratch\n"
         f"assert sys.prefix == {sys.prefix!r}, sys.prefix\n"
@@ -279,7 +276,37 @@ def test_notebook_runs(path, tmp_path, monkeypatch, capsys):
         "reasoning_from_scratch.__file__"
     )
     nb.cells.insert(0, nbformat.v4.new_code_cell(check))
-    wall = execute.execute_notebook(nb, tmp_path, timeout=CELL_TIMEOUT_S, cwd=path.parent)
+    return _execute_script().execute_notebook(nb, kernels, timeout=CELL_TIMEOUT_S, cwd=path.parent)
+
+
+@pytest.fixture(scope="module")
+def notebook_runs(request, tmp_path_factory):
+    """The selected notebooks' executions, started together on NOTEBOOK_WORKERS threads (each
+    waits on its own kernel process): path -> future of its wall seconds, in test order."""
+    pytest.importorskip("ipykernel")
+    execute = _execute_script()
+    kernels = tmp_path_factory.mktemp("kernels")
+    execute.write_kernelspec(kernels)
+    selected = [item.callspec.params["path"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_notebook_runs"]
+    saved = {key: os.environ.get(key) for key in execute.KERNEL_ENV}
+    pool = ThreadPoolExecutor(max_workers=max(1, NOTEBOOK_WORKERS))
+    try:
+        yield {path: pool.submit(_run_notebook, path, kernels) for path in selected}
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for key, value in saved.items():  # execute_notebook sets the kernels' environment
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.mark.notebooks
+@pytest.mark.slow  # every notebook executed: most of the suite's notebook time
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_runs(path, notebook_runs, capsys):
+    wall = notebook_runs[path].result()  # a cell's error is raised here
     with capsys.disabled():
         print(f"\n[notebooks] {_name(path)}: {wall:.1f} s")
     limit = SOLUTIONS_TIME_LIMIT_S if path.parent == SOLUTIONS_DIR else TIME_LIMIT_S
