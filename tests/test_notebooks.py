@@ -265,7 +265,7 @@ def _execute_script():
     return module
 
 
-def _run_notebook(path, kernels):
+def _run_notebook(execute, path, kernels):
     """Execute notebook `path` in a fresh kernel (not saved); returns the wall seconds. A first
     cell proves the kernel runs this interpreter and imports this checkout's package."""
     nb = _read(path)
@@ -276,7 +276,7 @@ def _run_notebook(path, kernels):
         "reasoning_from_scratch.__file__"
     )
     nb.cells.insert(0, nbformat.v4.new_code_cell(check))
-    return _execute_script().execute_notebook(nb, kernels, timeout=CELL_TIMEOUT_S, cwd=path.parent)
+    return execute.execute_notebook(nb, kernels, timeout=CELL_TIMEOUT_S, cwd=path.parent)
 
 
 @pytest.fixture(scope="module")
@@ -289,17 +289,11 @@ def notebook_runs(request, tmp_path_factory):
     execute.write_kernelspec(kernels)
     selected = [item.callspec.params["path"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_notebook_runs"]
-    saved = {key: os.environ.get(key) for key in execute.KERNEL_ENV}
-    pool = ThreadPoolExecutor(max_workers=max(1, NOTEBOOK_WORKERS))
-    try:
-        yield {path: pool.submit(_run_notebook, path, kernels) for path in selected}
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        for key, value in saved.items():  # execute_notebook sets the kernels' environment
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with pytest.MonkeyPatch.context() as mp, \
+            ThreadPoolExecutor(max_workers=max(1, NOTEBOOK_WORKERS)) as pool:
+        for key, value in execute.KERNEL_ENV.items():  # undone after the module
+            mp.setenv(key, value)  # (execute_notebook sets them too)
+        yield {path: pool.submit(_run_notebook, execute, path, kernels) for path in selected}
 
 
 @pytest.mark.notebooks
