@@ -13,6 +13,9 @@ Examples:
     python chapters/ch08_process_vs_outcome.py --seeds 0 --steps 10 --arms outcome,verifier
     python chapters/ch08_process_vs_outcome.py --arms outcome,prm --prm runs/prm-<timestamp>
     python chapters/ch08_process_vs_outcome.py --report-only       # table and figure again
+    # every arm given the same step-size search on val (one experiment per point, staged)
+    python chapters/ch08_process_vs_outcome.py --model tiny-arith-think --arms outcome,recommended \
+        --search-lr 1e-4,3e-4,1e-3 --search-inner-epochs 1,2,4 --search-loss-types grpo,dr_grpo
     # where the format cannot decide: the think-native base model, 16 runs at once, reported
     # on the test split (the default, val, is for choosing among arms)
     python chapters/ch08_process_vs_outcome.py --model tiny-arith-think --eval-split test \
@@ -41,6 +44,8 @@ from reasoning_from_scratch.experiments.process_vs_outcome import (
     ExperimentSettings,
     run_experiment,
 )
+from reasoning_from_scratch.experiments.tuning import SearchGrid, run_search
+from reasoning_from_scratch.grpo import LOSS_TYPES
 from reasoning_from_scratch.interrupts import exit_on_stop
 from reasoning_from_scratch.training import GRPOConfig
 from reasoning_from_scratch.validation import (
@@ -49,6 +54,7 @@ from reasoning_from_scratch.validation import (
     positive_float,
     positive_int,
     seed_list,
+    value_list,
 )
 
 # Every problem of the held-out split (val and test have 500 each), for intervals over problems.
@@ -82,11 +88,24 @@ def build_parser():
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="runs trained at once, each in its own process with one CPU thread "
                         "(on N cores: --jobs N); then the table as usual")
+    p.add_argument("--reference-arm", default="outcome", choices=list(ARMS),
+                   help="the arm whose mean final accuracy and totals are the tables' target "
+                        "and budgets (e.g. outcome-tuned, the equally tuned outcome)")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: tabulate and plot the runs already finished")
     p.add_argument("--output-dir", default="runs/ch08-process-vs-outcome",
                    help="experiment directory (run directories, PRM cache, results)")
     add_runtime_arguments(p)
+    g = p.add_argument_group(
+        "step-size search (experiments/tuning.py): one experiment per point in "
+        "<output-dir>/<point>/, staged lr, then updates per batch, then loss type; per arm the "
+        "highest mean final accuracy is kept; a knob given one value or none is not searched")
+    g.add_argument("--search-lr", type=value_list(positive_float), default=None,
+                   help="candidate peak learning rates, e.g. 1e-4,3e-4,1e-3")
+    g.add_argument("--search-inner-epochs", type=value_list(positive_int), default=None,
+                   help="candidate updates per batch of rollouts, e.g. 1,2,4")
+    g.add_argument("--search-loss-types", type=choice_list(LOSS_TYPES), default=None,
+                   help="candidate loss types, e.g. grpo,dr_grpo")
     g = p.add_argument_group("learned PRM (arm prm)")
     g.add_argument("--prm", default=None,
                    help="directory of a PRM saved by chapters/ch08_train_prm.py (None: train one "
@@ -130,6 +149,8 @@ def main(argv=None):
     for name, why in PER_RUN.items():
         if getattr(args, name) != getattr(defaults, name):
             parser.error(f"--{name.replace('_', '-')} is not used here: {why}")
+    if args.reference_arm not in args.arms:
+        parser.error(f"--reference-arm {args.reference_arm} is not among --arms")
     set_threads(args.threads)
     settings = ExperimentSettings(**{f.name: getattr(args, f.name)
                                      for f in fields(ExperimentSettings)})
@@ -138,6 +159,10 @@ def main(argv=None):
                                        if k != "output_dir"})  # the experiment's directory
     except ValueError as err:
         parser.error(str(err))
+    grid = SearchGrid(tuple(args.search_lr or ()), tuple(args.search_inner_epochs or ()),
+                      tuple(args.search_loss_types or ()))
+    if grid.stages():
+        return run_search(settings, config, args.arms, args.seeds, grid)
     return run_experiment(settings, config, args.arms, args.seeds)
 
 

@@ -119,6 +119,18 @@ def seed_list(text):
     return seeds
 
 
+def value_list(item):
+    """argparse type: comma-separated values, each parsed (and checked) by the argparse type
+    `item` ("1e-4,3e-4" with `positive_float`), at least one."""
+    def parse(text):
+        values = [item(t.strip()) for t in text.split(",") if t.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated values, got {text!r}")
+        return values
+    parse.__name__ = "list"
+    return parse
+
+
 def choice_list(choices):
     """argparse type: comma-separated names, each one of `choices`, at least one."""
     def parse(text):

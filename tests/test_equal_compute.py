@@ -7,6 +7,7 @@ import pytest
 from reasoning_from_scratch.experiments.process_vs_outcome import (
     first_crossing,
     interpolate_at,
+    mean_curve_crossing,
     summarise,
 )
 
@@ -81,6 +82,13 @@ def test_summary_equal_compute_rows():
     assert rows["outcome"]["tokens_to_target_share"] == [pytest.approx(1.0)]
     # at outcome's 10 seconds progress is at step 10
     assert rows["progress"]["accuracy_at_seconds"]["mean"] == pytest.approx(0.55)
+    # progress as the reference: target 0.55 and budget 240 tokens, which outcome never reaches
+    summary = summarise(curves, base, reference="progress")
+    assert summary["reference"] == "progress" and summary["target"] == pytest.approx(0.55)
+    assert summary["token_budget"] == pytest.approx(240.0)
+    rows = {r["arm"]: r for r in summary["rows"]}
+    assert rows["outcome"]["tokens_to_target_share"] == [None]
+    assert rows["outcome"]["accuracy_at_budget"]["mean"] == pytest.approx(0.4)  # flat past 200
 
 
 def test_paired_bootstrap_by_hand():
@@ -172,3 +180,26 @@ def test_arm_records():
             p = ARMS[arm.placebo]
             assert (p.scorer, p.variant) == (arm.scorer, arm.variant)
             assert p.config == {**arm.config, "process_credit_control": "flat"}
+
+
+def _pp(tokens, correct):
+    return {"tokens": tokens, "per_problem": {"correct": correct}}
+
+
+def test_mean_curve_crossing_by_hand():
+    # outcome ends at [1, 0] on both seeds: target 0.5; the arm's curve climbs from 0 to 1 on
+    # every problem over its first 50 of outcome's 100 decode tokens, so it reaches 0.5 at 25
+    # tokens (share 0.25). A resample's target is its share of problem 0's draws, t in
+    # {0, 0.5, 1}, crossed at 50 t tokens: shares 0, 0.25, 0.5 (the interval's ends).
+    outcome = {s: [_pp(0.0, [0, 0]), _pp(100.0, [1, 0])] for s in (0, 1)}
+    arm = {s: [_pp(0.0, [0, 0]), _pp(50.0, [1, 1])] for s in (0, 1)}
+    out = mean_curve_crossing(arm, outcome, budget=100.0, n_boot=400)
+    assert out["mean"] == pytest.approx(0.25)
+    assert out["lo"] == pytest.approx(0.0) and out["hi"] == pytest.approx(0.5)
+    assert out["never"] == 0.0
+    # an arm that stays at 0: never reached, in every resample whose target is above 0
+    flat = {s: [_pp(0.0, [0, 0]), _pp(100.0, [0, 0])] for s in (0, 1)}
+    out = mean_curve_crossing(flat, outcome, budget=100.0, n_boot=400)
+    assert math.isinf(out["mean"]) and math.isinf(out["hi"])
+    assert 0.6 < out["never"] < 0.9  # P(target > 0) = 3/4 for two problems
+    assert mean_curve_crossing({0: [{"tokens": 0.0}]}, outcome, budget=100.0) is None

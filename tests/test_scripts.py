@@ -336,6 +336,24 @@ def test_bench_process_credit_tiny_run():
         assert out[f"{arm}_rows"] <= out[f"{arm}_tokens"] <= 16 * out[f"{arm}_rows"]
 
 
+def test_bench_gradient_noise_tiny_run():
+    main = _script_main("benchmarks/bench_gradient_noise.py", "bench_gradient_noise")
+    threads = torch.get_num_threads()
+    try:
+        out = main(["--batches", "3", "--prompts", "2", "--num-rollouts", "3",
+                    "--max-new-tokens", "24", "--arms", "outcome,recommended", "--device", "cpu"])
+    finally:
+        torch.set_num_threads(threads)
+    stats = out["stats"]
+    assert set(stats) == {"outcome", "recommended"}
+    for arm, s in stats.items():
+        assert s["batches"] == 3 and s["trace"] >= 0 and out["rows"][arm] % 3 == 0
+        # the mean of K gradients is never longer than their mean length
+        assert s["mean_norm"] <= s["batch_norm"] + 1e-9
+    assert stats["outcome"]["cosine_outcome"] == pytest.approx(1.0) or \
+        stats["outcome"]["mean_norm"] == 0
+
+
 def test_bench_inference_scaling_tiny_run():
     main = _script_main("benchmarks/bench_inference_scaling.py", "bench_inference_scaling")
     threads = torch.get_num_threads()

@@ -96,6 +96,7 @@ from ..weights import load_pretrained
 from .levels import LEVEL_FILE, final_level_figures, level_figures, level_table
 from .stats import (
     SETTINGS_FILE,
+    bootstrap_draws,
     cached_base_figures,
     format_interval,
     format_pm,
@@ -136,6 +137,12 @@ def _recommended(alpha: float, **extra) -> dict:
 # step reaches its own end: 4 had the highest mean final accuracy, all four within 0.005;
 # docs/process_vs_outcome.md). `recommended-tiny-arith` keeps tiny-arith's choice (alpha 1).
 RECOMMENDED_ALPHA = 4.0
+# The update size each arm chose in the same step-size search on tiny-arith-think's val split
+# (experiments/tuning.py: seeds 0-2, lr 3e-5 / 1e-4 / 3e-4 / 1e-3, then 1 / 2 / 4 updates per
+# batch, then grpo / dr_grpo; docs/process_vs_outcome.md, section 00). The `-tuned` arms run
+# with these values whatever the flags say; `outcome` and `recommended` keep the flags'.
+TUNED_OUTCOME = {"lr": 1e-4, "inner_epochs": 2, "loss_type": "dr_grpo"}
+TUNED_RECOMMENDED = {"lr": 1e-4, "inner_epochs": 2, "loss_type": "grpo"}
 THINK = ("verifier-think", "progress")  # outcome + progress credit of the think-only verifier
 FLAT, SHUFFLED = {"process_credit_control": "flat"}, {"process_credit_control": "shuffled"}
 
@@ -218,6 +225,18 @@ ARMS = {
                    "tab:pink", *THINK, _recommended(RECOMMENDED_ALPHA, **FLAT)),
     "shuffled": Arm("control: recommended's credit shuffled among each completion's steps",
                     "tab:brown", *THINK, _recommended(RECOMMENDED_ALPHA, **SHUFFLED)),
+    # outcome and recommended at the update size each chose in the same search, and the
+    # recommended credit's two controls at recommended's
+    "outcome-tuned": Arm("outcome, update size tuned on val", "tab:cyan", config=TUNED_OUTCOME),
+    "recommended-tuned": Arm("recommended, update size tuned on val", "black", *THINK,
+                             {**_recommended(RECOMMENDED_ALPHA), **TUNED_RECOMMENDED},
+                             placebo="placebo-tuned"),
+    "placebo-tuned": Arm("control: recommended-tuned's credit spread evenly over each "
+                         "completion", "tab:pink", *THINK,
+                         {**_recommended(RECOMMENDED_ALPHA, **FLAT), **TUNED_RECOMMENDED}),
+    "shuffled-tuned": Arm("control: recommended-tuned's credit shuffled among each "
+                          "completion's steps", "tab:brown", *THINK,
+                          {**_recommended(RECOMMENDED_ALPHA, **SHUFFLED), **TUNED_RECOMMENDED}),
     # tiny-arith's choice: recommended as first measured there (alpha 1), and its controls
     **_alpha_arms("-tiny-arith", 1.0, "black", "tab:pink", "tab:brown", "1 (tiny-arith)"),
 }
@@ -260,6 +279,8 @@ class ExperimentSettings:
     # process arms: drop groups whose token advantages are all zero (outcome and step credit)
     process_skip_zero_advantage: bool = False
     report_only: bool = False  # train nothing: tabulate the finished runs
+    # the arm whose final accuracy and totals are the target and budgets of the tables
+    reference_arm: str = "outcome"
     jobs: int = 1  # runs trained at once, each in its own process with one CPU thread
     device: str | None = None
     prm: str | None = None  # a saved PRM for the prm arm (None: train one, cached)
@@ -532,6 +553,66 @@ def first_crossing(points, target, key="tokens", value="accuracy"):
     return None
 
 
+def _crossing_shares(curve, target, xs):
+    """(B,) the x at which each row of `curve` (B, J), read at `xs` (J,), first reaches
+    `target` (B,), linear between grid points; inf where it never does."""
+    above = curve >= target[:, None] - 1e-9  # (B, J)
+    j = torch.where(above.any(1), above.float().argmax(1), torch.full_like(target, -1).long())
+    out = torch.full_like(target, math.inf)
+    for b in torch.nonzero(j >= 0).flatten().tolist():
+        k = int(j[b])
+        if k == 0:
+            out[b] = xs[0]
+            continue
+        lo, hi = curve[b, k - 1], curve[b, k]
+        w = (target[b] - lo) / (hi - lo) if hi > lo else 1.0
+        out[b] = xs[k - 1] + w * (xs[k] - xs[k - 1])
+    return out
+
+
+def mean_curve_crossing(runs, reference, budget, max_share=1.5, grid=150, n_boot=2000,
+                        seed=0, level=0.95):
+    """Where the seed-mean accuracy curve of `runs` reaches `reference`'s mean final accuracy,
+    as a share of `budget` (outcome's mean decode tokens), with a paired bootstrap interval.
+
+    `runs`, `reference`: {seed: points from step 0, with per-problem records}; the seeds both
+    have are paired. Each seed's curve is read problem by problem on `grid` + 1 evenly spaced
+    token counts up to `max_share` x budget (`per_problem_at`: linear between checkpoints,
+    flat past the last), averaged over seeds and problems, and crossed with the target
+    linearly between grid points. Unlike a run's first crossing (`first_crossing`, biased
+    early by noise), the mean curve's crossing is the one a reader sees in the figure.
+    Every bootstrap resample draws seeds and problems with replacement (`stats.
+    bootstrap_draws`) and recomputes both the curve and the target on them. Returns
+    {"mean", "lo", "hi", "never"} (shares; inf: not reached within max_share; "never": the
+    fraction of resamples that do not reach it), or None without per-problem records.
+    """
+    seeds = [s for s in runs if s in reference]
+    xs = [budget * max_share * j / grid for j in range(grid + 1)]
+    rows = [[per_problem_at(runs[s], x) for x in xs] for s in seeds]
+    finals = [reference[s][-1].get("per_problem") for s in seeds]
+    if not seeds or any(r is None for rs in rows for r in rs) or not all(finals):
+        return None
+    A = torch.tensor(rows, dtype=torch.float64)  # (S, J, N)
+    ref = torch.tensor([f["correct"] for f in finals], dtype=torch.float64)  # (S, N)
+    if ref.shape[1] != A.shape[2]:
+        return None
+    S, N = ref.shape
+    seed_idx, prob_idx = bootstrap_draws(S, N, n_boot, seed)
+    ws = torch.stack([torch.bincount(r, minlength=S) for r in seed_idx]).double()  # (B, S)
+    wp = torch.stack([torch.bincount(r, minlength=N) for r in prob_idx]).double()  # (B, N)
+    ws, wp = torch.cat([torch.ones(1, S), ws]), torch.cat([torch.ones(1, N), wp])  # row 0: data
+    curve = torch.einsum("sjn,bn,bs->bj", A, wp, ws) / (S * N)  # (B+1, J)
+    target = torch.einsum("sn,bn,bs->b", ref, wp, ws) / (S * N)  # (B+1,)
+    shares = _crossing_shares(curve, target, torch.tensor(xs, dtype=torch.float64)) / budget
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    finite = torch.where(torch.isinf(shares[1:]), torch.tensor(1e9, dtype=torch.float64),
+                         shares[1:])  # percentiles with "never" ranked last
+    lo, hi = torch.quantile(finite, q).tolist()
+    return {"mean": float(shares[0]), "lo": lo if lo < 1e9 else math.inf,
+            "hi": hi if hi < 1e9 else math.inf,
+            "never": float(torch.isinf(shares[1:]).double().mean())}
+
+
 def _equal_compute(row, runs, target, budgets):
     """The interpolated equal-compute figures of one arm's row (added in place); `runs`:
     {seed: points from step 0}, seeds in order; `budgets`: outcome's mean totals by key."""
@@ -582,16 +663,17 @@ def _intervals(a, b=None):
     return out
 
 
-def _add_intervals(row, curves, budget):
+def _add_intervals(row, curves, budget, reference="outcome"):
     """95% paired bootstrap intervals over problems and seeds (`stats.paired_bootstrap`): the
-    arm's own figures, and its differences from outcome and from its placebo (on the seeds
-    both have), in row["intervals"]; nothing for runs without per-problem records."""
+    arm's own figures, and its differences from the `reference` arm (under "vs_outcome", the
+    arm named in it) and from its placebo (on the seeds both have), in row["intervals"];
+    nothing for runs without per-problem records."""
     arm = row["arm"]
     own = _problem_matrices(curves[arm], list(curves[arm]), budget)
     if own is None:
         return
     row["intervals"] = {"self": _intervals(own)}
-    for name, ref in (("vs_outcome", "outcome"), ("vs_placebo", placebo_of(arm))):
+    for name, ref in (("vs_outcome", reference), ("vs_placebo", placebo_of(arm))):
         if ref is None or ref == arm or ref not in curves:
             continue
         seeds = [s for s in curves[arm] if s in curves[ref]]
@@ -601,9 +683,12 @@ def _add_intervals(row, curves, budget):
             row["intervals"][name] = {"arm": ref, "seeds": seeds, **_intervals(a, b)}
 
 
-def summarise(curves, base):
-    """Per-arm rows of the table, plus the outcome runs' target accuracy and budgets.
+def summarise(curves, base, reference="outcome"):
+    """Per-arm rows of the table, plus the reference runs' target accuracy and budgets.
 
+    `reference`: the arm whose mean final accuracy is the target and whose mean totals are
+    the budgets of the equal-compute figures ("outcome"; an equally tuned outcome arm such as
+    "outcome-tuned" to compare with it instead).
     `curves`: {arm: {seed: [point, ...]}}, points in step order without the base model (step 0),
     whose figures are `base`. Figures are {"mean", "sd"} over seeds (NaN when no run has one),
     per-seed lists in seed order; "intervals" holds 95% paired bootstrap intervals over
@@ -614,11 +699,11 @@ def summarise(curves, base):
     curves = {arm: {s: [start, *runs[s]] for s in sorted(runs)} for arm, runs in curves.items()}
     finals = {arm: [pts[-1] for pts in runs.values()] for arm, runs in curves.items()}
     target, budgets = None, {}
-    if finals.get("outcome"):
-        target = mean_std([p["accuracy"] for p in finals["outcome"]])[0]
+    if finals.get(reference):
+        target = mean_std([p["accuracy"] for p in finals[reference]])[0]
         target = None if math.isnan(target) else target
         for key in ("tokens", "forward_tokens", "seconds"):
-            m = mean_std([p.get(key) for p in finals["outcome"]])[0]
+            m = mean_std([p.get(key) for p in finals[reference]])[0]
             budgets[key] = None if math.isnan(m) else m
     rows = []
     for arm, runs in curves.items():
@@ -633,9 +718,12 @@ def summarise(curves, base):
         if target is not None:
             row["steps_to_target"] = [_first_reaching(pts, target) for pts in runs.values()]
         _equal_compute(row, runs, target, budgets)
-        _add_intervals(row, curves, budgets.get("tokens"))
+        if target is not None and budgets.get("tokens") and reference in curves:
+            row["mean_curve_share"] = mean_curve_crossing(runs, curves[reference],
+                                                          budgets["tokens"], **BOOTSTRAP)
+        _add_intervals(row, curves, budgets.get("tokens"), reference)
         rows.append(row)
-    return {"target": target, "token_budget": budgets.get("tokens"),
+    return {"reference": reference, "target": target, "token_budget": budgets.get("tokens"),
             "forward_token_budget": budgets.get("forward_tokens"),
             "seconds_budget": budgets.get("seconds"), "rows": rows}
 
@@ -666,6 +754,15 @@ def _fmt_k(st):
     return "n/a" if math.isnan(st["mean"]) else _k(st["mean"])
 
 
+def _fmt_share(share):
+    """The seed-mean crossing cell: share [95%], '> 1.5' where it is not reached."""
+    if not share:
+        return "n/a"
+    def cell(v):
+        return "> 1.5" if math.isinf(v) else f"{v:.2f}"
+    return f"{cell(share['mean'])} [{cell(share['lo'])}, {cell(share['hi'])}]"
+
+
 TOKEN_UNITS = ("Decode tokens: sampled (rollouts + the step scorer's continuations). Forward "
                "tokens: read without sampling (rollout prompts, the update's forward passes of "
                "the policy and its reference, the step scorer's prefills and forward passes).")
@@ -683,8 +780,9 @@ def _equal_compute_table(summary):
         return []
     lines = ["", "| supervision | acc. at outcome's decode tokens | per seed | "
              "acc. at outcome's forward tokens | outcome's final acc. reached at (share of "
-             "outcome's decode tokens, per seed) | acc. at outcome's train s | "
-             "final format rate |", "|---|---|---|---|---|---|---|"]
+             "outcome's decode tokens, per seed) | reached by the seed-mean curve at [95%] | "
+             "acc. at outcome's train s | final format rate |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         seeds = ", ".join("n/a" if v is None else f"{v:.3f}"
                           for v in r.get("accuracy_at_budget_per_seed", {}).values())
@@ -692,7 +790,8 @@ def _equal_compute_table(summary):
                            for v in r.get("tokens_to_target_share", []))
         lines.append(f"| {r['label']} | {format_pm(r['accuracy_at_budget'])} | {seeds} | "
                      f"{format_pm(r.get('accuracy_at_forward_budget', stat([])))} | "
-                     f"{shares} | {format_pm(r.get('accuracy_at_seconds', stat([])))} | "
+                     f"{shares} | {_fmt_share(r.get('mean_curve_share'))} | "
+                     f"{format_pm(r.get('accuracy_at_seconds', stat([])))} | "
                      f"{format_pm(r['final_format_rate'])} |")
     lines += ["", f"Equal compute, mean ± sd over seeds, interpolated linearly between the "
               f"evaluated checkpoints (step 0: the base model): accuracy at the outcome runs' "
@@ -701,7 +800,10 @@ def _equal_compute_table(summary):
               f"mean {'n/a' if seconds is None else f'{seconds:.0f}'} training seconds (wall "
               "clock on a shared machine: noisy); share of those decode tokens spent when a "
               "run's accuracy first reaches "
-              f"{'n/a' if target is None else f'{target:.3f}'}, outcome's mean final accuracy. "
+              f"{'n/a' if target is None else f'{target:.3f}'}, outcome's mean final accuracy, "
+              "and where the seed-mean curve reaches it (problem by problem between the "
+              "checkpoints, with a paired bootstrap interval over problems and seeds, the "
+              "target resampled too; `mean_curve_crossing`). "
               + CROSSING_NOTE + " " + TOKEN_UNITS]
     return lines
 
@@ -770,6 +872,11 @@ def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
         "(Monte-Carlo continuations; the verifier and the PRM sample nothing). Train s: "
         "rollouts, scoring and updates, evaluation excluded.",
     ]
+    ref = summary.get("reference", "outcome")
+    if ref != "outcome":
+        lines.append(f"Here 'outcome' in the column names is the reference arm `{ref}` "
+                     f"({ARMS[ref].label}): its mean final accuracy and totals are the target "
+                     "and the budgets, and the differences are taken from it.")
     if target is not None:
         lines.append(f"Steps to outcome's acc.: first evaluated step (0 = base model) reaching "
                      f"the outcome runs' mean final accuracy {target:.3f}; mean over the runs "
@@ -895,7 +1002,8 @@ def run_experiment(settings: ExperimentSettings, config: GRPOConfig, arms, seeds
     record = {**asdict(settings), **values, "arms": list(arms), "seeds": list(seeds)}
     levels = _final_levels(curves, base_model, tokenizer, held_out, device, config, out)
     return _write_results(curves, base, out, prm_report, record,
-                         f"{args.eval_split} split, {len(held_out)} problems", levels)
+                         f"{args.eval_split} split, {len(held_out)} problems", levels,
+                         args.reference_arm)
 
 
 def _final_levels(curves, base_model, tokenizer, held_out, device, config, out):
@@ -974,13 +1082,16 @@ def _run_arms(args, arms, seeds, values, prm_path, prm_report, base_model, token
     return {arm: runs for arm, runs in curves.items() if runs}
 
 
-def _write_results(curves, base, out, prm_report, record, held_out_name, levels=None):
+def _write_results(curves, base, out, prm_report, record, held_out_name, levels=None,
+                   reference="outcome"):
     """Summarise the curves into results.md, process_vs_outcome.png and results.json in `out`
-    (with `levels`, `_final_levels`' figures, a table of the final models level by level)."""
-    summary = summarise(curves, base)
+    (with `levels`, `_final_levels`' figures, a table of the final models level by level);
+    `reference`: `summarise`'s reference arm."""
+    summary = summarise(curves, base, reference)
     table = write_table(summary, base, out / "results.md", prm_report, held_out_name)
     if levels:
-        reference = "outcome" if "outcome" in levels["runs"] else next(iter(levels["runs"]))
+        if reference not in levels["runs"]:
+            reference = next(iter(levels["runs"]))
         lines = level_table(levels["runs"], LABELS, reference, levels["base"])
         table += "\n".join(["", *lines])
         (out / "results.md").write_text(table + "\n")

@@ -226,3 +226,37 @@ def cached_base_figures(model, tokenizer, held_out, device, config, identity: di
                               per_problem=per_problem)
     atomic_write_json(path, {"settings": settings, "figures": jsonable(figures)})
     return figures
+
+
+def gradient_noise(grads: torch.Tensor, batch_size: int) -> dict:
+    """How much of a policy-gradient estimate is signal: figures of K independent batch gradients.
+
+    `grads` (K, P): one flattened gradient per batch of `batch_size` sampled completions, all
+    from the same policy. With G the true gradient and S the covariance of one batch's
+    gradient, E|mean|^2 = |G|^2 + tr(S) / K, so (McCandlish et al. 2018, "An Empirical Model of
+    Large-Batch Training", appendix A):
+
+        trace  = sum_k |g_k - mean|^2 / (K - 1)        # tr(S), unbiased
+        signal = |mean|^2 - trace / K                  # |G|^2, unbiased (can come out < 0)
+        snr    = signal / trace                        # one batch's signal-to-noise ratio
+        noise_scale = batch_size / snr                 # B_simple: the batch at which SNR = 1
+
+    A batch far below the noise scale takes steps that are mostly noise (a larger learning rate
+    scales the noise with the signal); far above it, steps are limited by their size.
+    `half_cosine`: cosine between the mean gradients of the first and the second half of the
+    batches, a direct look at how well two independent halves agree on the direction.
+    """
+    k = grads.shape[0]
+    if k < 2:
+        raise ValueError(f"need at least 2 batch gradients, got {k}")
+    g = grads.double()
+    mean = g.mean(0)  # (P,)
+    trace = float(((g - mean) ** 2).sum() / (k - 1))
+    signal = float(mean.pow(2).sum()) - trace / k
+    snr = signal / trace if trace > 0 else (math.inf if signal > 0 else math.nan)
+    half = k // 2
+    a, b = g[:half].mean(0), g[half:2 * half].mean(0)
+    cos = float(torch.dot(a, b) / (a.norm() * b.norm())) if a.norm() * b.norm() > 0 else math.nan
+    return {"batches": k, "batch_norm": float(g.norm(dim=1).mean()),
+            "mean_norm": float(mean.norm()), "trace": trace, "signal": signal, "snr": snr,
+            "noise_scale": batch_size / snr if snr > 0 else math.inf, "half_cosine": cos}
