@@ -41,7 +41,7 @@ from reasoning_from_scratch.grpo import LOSS_TYPES, collect_rollouts, grpo_loss_
 from reasoning_from_scratch.process_supervision import make_process_advantage_fn
 from reasoning_from_scratch.rewards import build_reward
 from reasoning_from_scratch.training import DEFAULT_TRAIN_LEVEL_WEIGHTS
-from reasoning_from_scratch.validation import positive_int
+from reasoning_from_scratch.validation import arg_type, at_least, choice_list, positive_int
 from reasoning_from_scratch.weights import load_pretrained
 
 
@@ -110,9 +110,9 @@ def main(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_argument(p, default="tiny-arith-think",
                        help="policy model (a name, or a directory such as a run's final/)")
-    p.add_argument("--arms", default="outcome,recommended,placebo,shuffled",
+    p.add_argument("--arms", type=choice_list(ARMS), default="outcome,recommended,placebo,shuffled",
                    help="comma-separated chapter 8 arms (outcome and the verifier arms)")
-    p.add_argument("--batches", type=positive_int, default=8,
+    p.add_argument("--batches", type=arg_type(int, at_least(2)), default=8,
                    help="K: independent batches per arm (at least 2)")
     p.add_argument("--prompts", type=positive_int, default=8, help="prompts per batch")
     p.add_argument("--num-rollouts", type=positive_int, default=8, help="G: rollouts per prompt")
@@ -124,12 +124,7 @@ def main(argv=None):
     add_device_argument(p)
     add_threads_argument(p, default=1)
     args = p.parse_args(argv)
-    if args.batches < 2:
-        p.error("--batches must be at least 2")
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        p.error(f"unknown arms {unknown}; see chapters/ch08_process_vs_outcome.py --help")
+    arms = args.arms
     set_threads(args.threads)
     device = get_device(args.device)
     model, tokenizer = load_pretrained(args.model, device=device, dtype=torch.float32)

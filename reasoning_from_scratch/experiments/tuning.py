@@ -108,8 +108,9 @@ def run_search(settings: ExperimentSettings, config: GRPOConfig, arms, seeds,
               "eval_split": settings.eval_split, "model": settings.model}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "search.json", jsonable(record))
-    (out / "search.md").write_text("\n".join(search_table(record)) + "\n")
-    print("\n".join(search_table(record)))
+    table = "\n".join(search_table(record))
+    (out / "search.md").write_text(table + "\n")
+    print(table)
     return record
 
 
