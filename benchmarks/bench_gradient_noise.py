@@ -38,6 +38,7 @@ from reasoning_from_scratch.experiments.process_vs_outcome import ARMS
 from reasoning_from_scratch.experiments.stats import gradient_noise
 from reasoning_from_scratch.grading import grade_answer
 from reasoning_from_scratch.grpo import LOSS_TYPES, collect_rollouts, grpo_loss_on_batch
+from reasoning_from_scratch.process import LOCAL_STEP_WEIGHT
 from reasoning_from_scratch.process_supervision import make_process_advantage_fn
 from reasoning_from_scratch.rewards import build_reward
 from reasoning_from_scratch.training import DEFAULT_TRAIN_LEVEL_WEIGHTS
@@ -55,7 +56,8 @@ def advantage_fn_of(arm, tokenizer, seed):
                          "are measured here")
     return make_process_advantage_fn(
         tokenizer, spec.scorer, spec.variant, alpha=spec.config.get("process_alpha", 1.0),
-        credit_control=spec.config.get("process_credit_control", "none"), seed=seed)
+        credit_control=spec.config.get("process_credit_control", "none"), seed=seed,
+        local_weight=spec.config.get("process_local_weight", LOCAL_STEP_WEIGHT))
 
 
 def batch_gradient(model, batch, loss_type, max_new_tokens):

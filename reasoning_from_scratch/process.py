@@ -54,7 +54,11 @@ ANSWER_PATTERNS = (r"</think>", r"\\boxed\{")
 SPLIT_MODES = ("tags", "blank_lines", "newlines", "regex")
 #: Forms added to the outcome advantage: token t of completion i gets
 #: `A_outcome_i + alpha * credit_{i,k(t)}`, k(t) the step that owns t (`anchored_credit`).
-ANCHORED_VARIANTS = ("first-error", "progress", "clip", "delta", "pure", "value-delta")
+ANCHORED_VARIANTS = ("first-error", "progress", "progress-local", "clip", "delta", "pure",
+                     "value-delta")
+# The reward of a locally correct step after a completion's first error, relative to a correct
+# step on a correct path (1): the default of `process_advantages(local_weight=...)`.
+LOCAL_STEP_WEIGHT = 0.5
 # Placebo controls of the anchored forms' step credit (`control_credit`).
 CREDIT_CONTROLS = ("none", "flat", "shuffled")
 VARIANTS = ("sum", "process+outcome", "min", "position", *ANCHORED_VARIANTS)
@@ -368,6 +372,7 @@ def process_advantages(
     control: str = "none",
     generator: random.Random | None = None,
     prompt_value: float | None = None,
+    local_weight: float = LOCAL_STEP_WEIGHT,
 ) -> torch.Tensor:
     """Token-level process advantages `(G, max(completion_lengths))` for one group of rollouts.
 
@@ -393,22 +398,24 @@ def process_advantages(
       come and adding more steps cannot raise it (against step-count reward hacking).
     - `"position"`: the suffix sum of rewards normalised per step position (step j of every
       completion pooled only with the step j of the others).
-    - the outcome-anchored forms `ANCHORED_VARIANTS` (first-error, progress, clip, delta, pure,
-      value-delta; formulas in `anchored_credit`): token t of completion i gets
+    - the outcome-anchored forms `ANCHORED_VARIANTS` (first-error, progress, progress-local,
+      clip, delta, pure, value-delta; formulas in `anchored_credit`): token t of completion i gets
       `outcome_advantages[i] + alpha * credit_{i,k(t)}` on raw (not pooled) step rewards, with
       `threshold` deciding a correct step and `eta` the clip form's threshold. The outcome term
       is needed (GRPO-VPS, arXiv 2604.20659; VPPO, arXiv 2601.18984); only `"pure"` runs without
       it (`outcome_advantages=None`: PURE gives verifiable rewards to a share of prompts only).
       `control` ("flat", "shuffled"; `generator` for the shuffle) replaces their credit by a
       placebo of it first (`control_credit`); `prompt_value` is value-delta's V(s_0) (a step
-      scorer's `last_prompt_value`; None: the group's mean outcome).
+      scorer's `last_prompt_value`; None: the group's mean outcome); `local_weight` is
+      progress-local's reward of a locally correct step after the first error.
     """
     if variant not in VARIANTS:
         raise ValueError(f"process_advantages: unknown variant {variant!r}; expected {VARIANTS}")
     lengths = _validate(step_rewards, step_ends, completion_lengths)
     G, T = len(lengths), max(lengths)
     if variant in ANCHORED_VARIANTS:
-        credit = anchored_credit(step_rewards, variant, threshold, eta, prompt_value, eps)
+        credit = anchored_credit(step_rewards, variant, threshold, eta, prompt_value, eps,
+                                 local_weight)
         credit = control_credit(credit, step_ends, control, generator)
         adv = _expand_steps(credit, step_ends, lengths, T) * alpha  # (G, T)
         if outcome_advantages is None and variant == "pure":
@@ -575,6 +582,77 @@ def _progress_credit(step_rewards, threshold, eps):
     return out
 
 
+def local_step_rewards(step_rewards: Sequence[Sequence[float]], threshold: float = 0.5,
+                       local_weight: float = LOCAL_STEP_WEIGHT) -> list[list[float]]:
+    """`r_{i,k} = c_{i,k} + w (1 - c_{i,k}) l_{i,k}`: 1 for a correct step on a correct path, `w`
+    for a step that is correct on its own inputs after the first error, else 0.
+
+    `l_{i,k} = 1[s_{i,k} >= threshold]` is the step's local verdict (a scorer that does not
+    propagate errors, e.g. `VerifierStepScorer(propagate_errors=False)`: a step that continues
+    correctly from an earlier wrong result is correct) and `c_{i,k}` its prefix verdict
+    (`prefix_correct`). With a propagating scorer every step after the first error has
+    `l = 0`, so the rewards are `c` and the local form is the plain progress credit.
+    """
+    out = []
+    for rs, cs in zip(step_rewards, prefix_correct(step_rewards, threshold)):
+        out.append([c + local_weight * (1.0 - c) * float(float(r) >= threshold)
+                    for r, c in zip(rs, cs)])
+    return out
+
+
+def local_state_values(rewards: Sequence[Sequence[float]],
+                       correct: Sequence[Sequence[float]]) -> dict[tuple[int, bool], float]:
+    """`V(k, on)`: the group's mean reward still to come after k steps, pooled over the
+    completions in the same state class: on the correct path (`on`: its first k steps all
+    correct, `correct` from `prefix_correct`) or off it.
+
+    On the path every completion with k correct steps holds the same running value, so the
+    class is one state (as in `progress_state_values`, of which `V(k, True)` is the local
+    form). Off the path the running values differ, but the steps to come are the same
+    operations, each checked on its own inputs; pooling them by k gives each post-error step a
+    baseline from the group's other off-path completions, where a state of its own would give
+    it none (a one-member state's value is its own return, so its steps' credits are 0).
+    A completion that ends after its k-th step counts with 0 to come.
+    """
+    K = max((len(r) for r in rewards), default=0)
+    pools: dict[tuple[int, bool], list[float]] = {}
+    for r, c in zip(rewards, correct):
+        for k in range(min(len(r), K) + 1):
+            on = k == 0 or c[k - 1] > 0
+            pools.setdefault((k, on), []).append(sum(r[k:]))
+    return {key: sum(v) / len(v) for key, v in pools.items()}
+
+
+def _local_progress_credit(step_rewards, threshold, eps, local_weight):
+    """Progress credit past the first error: the temporal-difference credit of
+    `local_step_rewards` against `local_state_values`.
+
+    Step k of completion i gets `(r_{i,k} + V(k, c_{i,k}) - V(k-1, c_{i,k-1})) / (std R + eps)`
+    (the completion's own end has value 0), where `R_i = sum_k r_{i,k}`. The credits of a
+    completion telescope to `(R_i - mean R) / (std R + eps)` whatever the pooling, so the
+    classes only move credit between steps: on the path as `progress`; the first wrong step
+    loses the path's value; each later step is paid `w` for being right on its own inputs,
+    against the other off-path completions at the same step. `local_weight = 0` gives
+    `progress` exactly. All zeros when the group's `R` are all equal.
+    """
+    correct = prefix_correct(step_rewards, threshold)
+    rewards = local_step_rewards(step_rewards, threshold, local_weight)
+    totals = torch.tensor([sum(r) for r in rewards], dtype=torch.float32)  # R_i, (G,)
+    if totals.numel() < 2 or bool((totals == totals[0]).all()):
+        return [[0.0] * len(r) for r in rewards]
+    scale = float(totals.std()) + eps
+    values = local_state_values(rewards, correct)
+    out = []
+    for r, c in zip(rewards, correct):
+        credit, before = [], values[(0, True)]
+        for k, (rk, ck) in enumerate(zip(r, c), start=1):
+            after = values[(k, ck > 0)] if k < len(r) else 0.0  # after the last step: its end
+            credit.append((rk + after - before) / scale)
+            before = after
+        out.append(credit)
+    return out
+
+
 def _suffix(values: list[float], op) -> list[float]:
     """Suffix reduction: out[k] = op(values[k:])."""
     out, acc = [], None
@@ -602,6 +680,7 @@ def anchored_credit(
     eta: float = 0.5,
     prompt_value: float | None = None,
     eps: float = 1e-4,
+    local_weight: float = LOCAL_STEP_WEIGHT,
 ) -> list[list[float]]:
     """Per-step credit of the outcome-anchored forms, one list per completion (before alpha).
 
@@ -614,6 +693,10 @@ def anchored_credit(
       VinePPO / SPO / TreeRPO, value differences). Bounded, zero for equal groups, and a
       completion whose steps are missing or unverified scores 0 correct steps, never more than
       one that shows them.
+    - `"progress-local"`: `_local_progress_credit`, progress past the first error: a step the
+      verifier finds right on its own inputs after the first wrong one earns `local_weight`
+      (needs a scorer that does not propagate errors, `verifier-think-local`), with state values
+      pooled over the group's on-path and off-path completions at each step.
     - `"clip"`: Gao et al. 2024 (arXiv 2410.15115) clip form: step rewards `min(r_k - eta, 0)`
       summed over the steps still to come, `G_k = sum_{j>=k} min(r_j - eta, 0)`. Never positive,
       so more steps cannot pay.
@@ -632,6 +715,8 @@ def anchored_credit(
         return _first_error_credit(step_rewards, threshold)
     if variant == "progress":
         return _progress_credit(step_rewards, threshold, eps)
+    if variant == "progress-local":
+        return _local_progress_credit(step_rewards, threshold, eps, local_weight)
     rows = [[float(r) for r in rs] for rs in step_rewards]
     if variant == "clip":
         return _centred([_suffix([min(r - eta, 0.0) for r in rs], lambda a, b: a + b)

@@ -20,6 +20,7 @@ from .prm import PRMStepScorer, load_prm
 from .process import (
     ANCHORED_VARIANTS,
     CREDIT_CONTROLS,
+    LOCAL_STEP_WEIGHT,
     VARIANTS,
     completion_steps,
     process_advantages,
@@ -40,7 +41,8 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
     """A scorer from a command-line spec: verifier | verifier-signed | verifier-think | format |
     belief | mc | mc-hard | mc-branch | prm:PATH | online-prm:PATH | online-prm-outcome:PATH
     (`verifier-think`: steps count only in the think format, `VerifierStepScorer(think_only=
-    True)`; `format`: the think format alone, `FormatStepScorer` (a placebo); `belief`: the
+    True)`; `verifier-think-local`: the same, each step checked on its own inputs, an earlier
+    error not propagated, for the `progress-local` credit; `format`: the think format alone, `FormatStepScorer` (a placebo); `belief`: the
     policy's probability of the gold answer after each step, `AnswerBeliefStepScorer`
     (GRPO-VPS); `mc-branch`: Monte-Carlo values from the group's own completions and
     continuations branched from the rollouts' caches, `MonteCarloStepScorer(branch=True)`).
@@ -57,6 +59,8 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
         return VerifierStepScorer(signed=True)
     if spec == "verifier-think":
         return VerifierStepScorer(think_only=True)
+    if spec == "verifier-think-local":
+        return VerifierStepScorer(think_only=True, propagate_errors=False)
     if spec == "format":
         return FormatStepScorer()
     if spec == "belief":
@@ -79,7 +83,7 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
             prm, prm_tokenizer = load_prm(spec[len(prefix):], device=device)
             return OnlinePRMStepScorer(prm, prm_tokenizer, labeler)
     raise ValueError(f"unknown step scorer {spec!r}; expected verifier, verifier-signed, "
-                     "verifier-think, format, belief, mc, mc-hard, mc-branch, prm:PATH, "
+                     "verifier-think, verifier-think-local, format, belief, mc, mc-hard, mc-branch, prm:PATH, "
                      "online-prm:PATH or online-prm-outcome:PATH")
 
 
@@ -88,13 +92,15 @@ def process_token_advantages(
     variant: str = "sum", split_mode: str = "tags", pattern: str | None = None,
     outcome_advantages=None, eps: float = 1e-4, alpha: float = 1.0,
     credit_control: str = "none", generator: random.Random | None = None,
+    local_weight: float = LOCAL_STEP_WEIGHT,
 ) -> tuple[torch.Tensor, dict]:
     """Process advantages `(G, T)` for the G rollouts of one prompt (`generation.Rollouts`).
 
     Splits each completion into steps, maps them onto its generated tokens, scores the steps with
     `step_scorer` (anything `step_scorers.as_step_scorer` accepts) and applies
     `process_advantages` with `variant` (and `alpha`, the weight of the outcome-anchored forms'
-    step credit; `credit_control` with `generator`, a placebo of that credit, `control_credit`).
+    step credit; `credit_control` with `generator`, a placebo of that credit, `control_credit`;
+    `local_weight`, progress-local's reward of a locally correct step after the first error).
     T is `rollouts.completion_ids.shape[1]`. Returns the advantages and an info dict: `steps`
     (texts), `step_rewards`, `step_ends`, `stats` (`step_statistics` plus the scorer's cost).
     """
@@ -122,7 +128,8 @@ def process_token_advantages(
     if max(lengths, default=0) > 0:
         a = process_advantages(rewards, ends, lengths, variant, outcome_advantages, eps, alpha,
                                control=credit_control, generator=generator,
-                               prompt_value=getattr(scorer, "last_prompt_value", None))
+                               prompt_value=getattr(scorer, "last_prompt_value", None),
+                               local_weight=local_weight)
         adv[:, : a.shape[1]] = a
     stats = step_statistics(rewards, ends)
     stats.update(scorer.cost())
@@ -159,7 +166,8 @@ class ProcessAdvantageFn:
 
     def __init__(self, tokenizer, step_scorer, variant: str = "sum", split_mode: str = "tags",
                  pattern: str | None = None, alpha: float = 1.0, verifiable_share: float = 0.1,
-                 credit_control: str = "none", seed: int = 0):
+                 credit_control: str = "none", seed: int = 0,
+                 local_weight: float = LOCAL_STEP_WEIGHT):
         if credit_control not in CREDIT_CONTROLS:
             raise ValueError(f"ProcessAdvantageFn: unknown credit control {credit_control!r}; "
                              f"expected {CREDIT_CONTROLS}")
@@ -174,6 +182,7 @@ class ProcessAdvantageFn:
         self.variant, self.split_mode, self.pattern = variant, split_mode, pattern
         self.alpha, self.verifiable_share = float(alpha), float(verifiable_share)
         self.credit_control = credit_control
+        self.local_weight = float(local_weight)  # progress-local's post-error step reward
         self.seed = seed  # of the shuffled control's permutations (`group_generator`)
         self.last_stats: dict[str, float] = {}
         self.last_infos: list[dict] = []
@@ -189,7 +198,7 @@ class ProcessAdvantageFn:
                 outcome_advantages=self._outcome_of(n, outcome_advantages), alpha=self.alpha,
                 credit_control=self.credit_control,
                 generator=group_generator(self.seed, ro) if self.credit_control == "shuffled"
-                else None,
+                else None, local_weight=self.local_weight,
             )
             T = min(adv.shape[1], Tc)
             padded = torch.zeros(adv.shape[0], Tc, dtype=torch.float32)
@@ -223,7 +232,7 @@ def make_process_advantage_fn(
     pattern: str | None = None, model=None, device=None, mc_rollouts: int = 4,
     mc_max_new_tokens: int = 64, mc_temperature: float = 1.0, mc_generator=None,
     alpha: float = 1.0, verifiable_share: float = 0.1, credit_control: str = "none",
-    seed: int = 0, mc_compile: bool = False,
+    seed: int = 0, mc_compile: bool = False, local_weight: float = LOCAL_STEP_WEIGHT,
 ) -> ProcessAdvantageFn:
     """A `ProcessAdvantageFn` from a scorer object or a spec string (verifier | verifier-signed |
     mc | mc-hard | prm:PATH | online-prm:PATH, see `build_step_scorer`); `mc` samples with
@@ -231,7 +240,8 @@ def make_process_advantage_fn(
     of the outcome-anchored variants' step credit; `verifiable_share`: PURE's share of groups
     with the outcome term; `credit_control`: "none", or a placebo of that credit ("flat",
     "shuffled", seeded by `seed`; `process.control_credit`); `mc_compile`: the Monte-Carlo
-    scorers decode with `generate`'s compiled step."""
+    scorers decode with `generate`'s compiled step; `local_weight`: progress-local's reward of
+    a locally correct step after the first error."""
     if isinstance(step_scorer, str):
         mc_kwargs = {}
         if step_scorer.startswith("mc"):
@@ -240,4 +250,4 @@ def make_process_advantage_fn(
                              compile=mc_compile)
         step_scorer = build_step_scorer(step_scorer, model, tokenizer, device, **mc_kwargs)
     return ProcessAdvantageFn(tokenizer, step_scorer, variant, split_mode, pattern, alpha,
-                              verifiable_share, credit_control, seed)
+                              verifiable_share, credit_control, seed, local_weight)

@@ -106,7 +106,7 @@ from .interrupts import (
     polling_stops,
     stop_signal_names,
 )
-from .process import CREDIT_CONTROLS, VARIANTS, step_statistics
+from .process import CREDIT_CONTROLS, LOCAL_STEP_WEIGHT, VARIANTS, step_statistics
 from .process_supervision import make_process_advantage_fn
 from .prompts import render_prompt
 from .rewards import build_reward
@@ -244,14 +244,16 @@ class GRPOConfig:
         choices=SUPERVISIONS)
     step_scorer: str = option("verifier",
         "process supervision step scorer: verifier | verifier-signed | verifier-think (steps "
-        "count only in the think format) | format (the think format alone, a placebo) | belief "
+        "count only in the think format) | verifier-think-local (the same, each step checked on "
+        "its own inputs, for progress-local) | format (the think format alone, a placebo) | belief "
         "(the policy's probability of the gold answer after each step, GRPO-VPS) | mc | mc-hard "
         "| mc-branch (Monte-Carlo from the group and branched caches) | prm:PATH | "
         "online-prm:PATH | "
         "online-prm-outcome:PATH (a PRM re-fitted on the rollouts with verifier / outcome labels)")
     process_variant: str = option("sum",
         "process advantage: sum (DeepSeekMath) | process+outcome | min (PURE) | position | "
-        "outcome-anchored: first-error | progress | clip | delta (Gao et al.) | pure (PURE min "
+        "outcome-anchored: first-error | progress | progress-local (credit past the first "
+        "error) | clip | delta (Gao et al.) | pure (PURE min "
         "form) | value-delta (VinePPO); see process.anchored_credit",
         choices=VARIANTS)
     step_split: str = option("tags",
@@ -264,6 +266,10 @@ class GRPOConfig:
         "weight of the step credit in the outcome-anchored process variants (first-error, "
         "progress, clip, delta, pure, value-delta; process.anchored_credit)",
         rule=non_negative)
+    process_local_weight: float = option(LOCAL_STEP_WEIGHT,
+        "progress-local: reward of a step that is right on its own inputs after the "
+        "completion's first error (a correct step on a correct path earns 1)",
+        rule=in_range(0, 1))
     process_credit_control: str = option("none",
         "placebo controls of the outcome-anchored forms' step credit: none | flat (each "
         "completion's total credit spread evenly over its tokens) | shuffled (the credits "
@@ -1007,6 +1013,7 @@ def _process_advantage_fn(model, tokenizer, device, config):
         mc_max_new_tokens=config.max_new_tokens, mc_temperature=config.temperature,
         alpha=config.process_alpha, credit_control=config.process_credit_control,
         seed=config.seed, mc_compile=compile_decoding(config.compile, device),
+        local_weight=config.process_local_weight,
     )
 
 

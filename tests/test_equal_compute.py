@@ -175,6 +175,12 @@ def test_arm_records():
     assert ARMS["recommended-a2-keep"].config == {"process_alpha": 2.0}
     assert ARMS["outcome"].scorer is None and ARMS["vine-k2"].config == {"mc_rollouts": 2}
     assert placebo_of("recommended-a2") == "placebo-a2" and placebo_of("outcome") is None
+    # credit past the first error: recommended-tuned's settings, a local scorer and form
+    local, tuned = ARMS["recommended-local-tuned"], ARMS["recommended-tuned"]
+    assert local.config == tuned.config
+    assert (local.scorer, local.variant) == ("verifier-think-local", "progress-local")
+    assert ARMS["shuffled-local-tuned"].config == {**local.config,
+                                                   "process_credit_control": "shuffled"}
     for arm in ARMS.values():  # a placebo is the same form with its credit spread evenly
         if arm.placebo:
             p = ARMS[arm.placebo]

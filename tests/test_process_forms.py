@@ -245,3 +245,83 @@ def test_format_scorer_with_progress_credits_the_first_step_only():
     got = anchored_credit(scores, "progress", eps=0.0)
     c = 0.5 / (1 / 3) ** 0.5
     close(got, [[c, 0.0], [-c, 0.0], [c, 0.0], [-c]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress past the first error (process._local_progress_credit)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_local_step_rewards_pay_locally_right_steps_after_the_first_error():
+    from reasoning_from_scratch.process import local_step_rewards
+
+    # slips at step 1 then continues right; all right; right then wrong on its own inputs
+    got = local_step_rewards([[0, 1, 1], [1, 1, 1], [1, 0, 0.2]], local_weight=0.5)
+    assert got == [[0.0, 0.5, 0.5], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    # a propagating scorer's rewards (every step after the first error wrong): the prefix
+    assert local_step_rewards([[1, 0, 0]], local_weight=0.5) == [[1.0, 0.0, 0.0]]
+
+
+def test_local_progress_credit_by_hand():
+    # local verdicts: A slips at step 1 and goes on right; B right throughout; C slips at
+    # step 2 and stays wrong; D slips at 1, gets step 3 right on its own inputs.
+    # rewards (w = 0.5): A (0, .5, .5, .5) R 1.5; B (1, 1, 1, 1) R 4; C (1, 0, 0, 0) R 1;
+    # D (0, 0, .5, 0) R .5. mean R 1.75, std R = sqrt(7.25 / 3).
+    # V(0) 1.75; on path: V(1) = mean(3, 0) = 1.5 (B, C), V(2) = 2, V(3) = 1 (B);
+    # off path: V(1) = mean(1.5, .5) = 1 (A, D), V(2) = mean(1, 0, .5) = .5 (A, C, D),
+    # V(3) = mean(.5, 0, 0) = 1/6.
+    got = anchored_credit([[0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 1, 0]],
+                          "progress-local", eps=0.0, local_weight=0.5)
+    s = (7.25 / 3) ** 0.5
+    close(got, [[(0 + 1 - 1.75) / s, (0.5 + 0.5 - 1) / s, (0.5 + 1 / 6 - 0.5) / s,
+                 (0.5 + 0 - 1 / 6) / s],
+                [(1 + 1.5 - 1.75) / s, (1 + 2 - 1.5) / s, (1 + 1 - 2) / s, (1 + 0 - 1) / s],
+                [(1 + 1.5 - 1.75) / s, (0 + 0.5 - 1.5) / s, (0 + 1 / 6 - 0.5) / s,
+                 (0 + 0 - 1 / 6) / s],
+                [(0 + 1 - 1.75) / s, (0 + 0.5 - 1) / s, (0.5 + 1 / 6 - 0.5) / s,
+                 (0 + 0 - 1 / 6) / s]], tol=1e-6)
+    # the two locally right third steps after an error are paid alike; plain progress gives
+    # every step after the first error 0
+    assert got[0][2] == pytest.approx(got[3][2]) and got[0][2] > 0
+    assert anchored_credit([[0, 1, 1, 1]] + [[1] * 4], "progress", eps=0.0)[0][1:] == [0, 0, 0]
+
+
+def test_local_progress_with_weight_zero_is_progress_on_random_groups():
+    import random
+
+    rng = random.Random(3)
+    for _ in range(200):
+        rewards = [[rng.choice([0.0, 1.0]) for _ in range(rng.randint(1, 6))]
+                   for _ in range(rng.randint(2, 6))]
+        close(anchored_credit(rewards, "progress-local", local_weight=0.0),
+              anchored_credit(rewards, "progress"), tol=1e-9)
+
+
+def test_local_progress_credit_sums_to_the_normalised_return_on_random_groups():
+    import random
+
+    from reasoning_from_scratch.process import local_step_rewards
+
+    rng = random.Random(4)
+    for _ in range(200):
+        G, w = rng.randint(2, 6), rng.uniform(0, 1)
+        rewards = [[rng.random() for _ in range(rng.randint(1, 6))] for _ in range(G)]
+        got = anchored_credit(rewards, "progress-local", threshold=0.4, local_weight=w)
+        r = torch.tensor([sum(x) for x in local_step_rewards(rewards, 0.4, w)],
+                         dtype=torch.float64)
+        want = ([0.0] * G if bool((r == r[0]).all())
+                else ((r - r.mean()) / (r.std() + 1e-4)).tolist())
+        close([sum(c) for c in got], want, tol=1e-4)
+
+
+def test_local_verifier_checks_each_step_on_its_own_inputs():
+    from reasoning_from_scratch.process_supervision import build_step_scorer
+
+    example = {"problem": "Compute (3+4)+5", "answer": "12"}
+    # step 1 slips (3+4=8); step 2 continues right from the written 8 (8+5=13)
+    steps = ["<think>\nStep 1: 3+4=8\n", "Step 2: 8+5=13\n", "</think>\n\\boxed{13}"]
+    assert build_step_scorer("verifier-think").score("", steps, example) == [0.0, 0.0, 0.0]
+    assert build_step_scorer("verifier-think-local").score("", steps, example) == [0.0, 1.0, 0.0]
+    # outside the think format no step counts, as for verifier-think
+    plain = ["Step 1: 3+4=7\n", "Step 2: 7+5=12\n", "\\boxed{12}"]
+    assert build_step_scorer("verifier-think-local").score("", plain, example) == [0.0] * 3

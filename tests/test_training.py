@@ -244,7 +244,7 @@ def test_ch07_script_process_supervision(tmp_path):
 @pytest.mark.parametrize("scorer,variant", [
     ("verifier", "first-error"), ("verifier-think", "progress"), ("verifier", "clip"),
     ("verifier", "delta"), ("verifier", "pure"), ("mc-branch", "value-delta"),
-    ("format", "progress"), ("belief", "value-delta"),
+    ("format", "progress"), ("belief", "value-delta"), ("verifier-think-local", "progress-local"),
 ])
 def test_ch07_script_runs_the_outcome_anchored_forms(tmp_path, monkeypatch, scorer, variant):
     """ch07_train.py --supervision process --process-variant NAME, one step each."""

@@ -144,6 +144,7 @@ RECOMMENDED_ALPHA = 4.0
 TUNED_OUTCOME = {"lr": 1e-4, "inner_epochs": 2, "loss_type": "dr_grpo"}
 TUNED_RECOMMENDED = {"lr": 1e-4, "inner_epochs": 2, "loss_type": "grpo"}
 THINK = ("verifier-think", "progress")  # outcome + progress credit of the think-only verifier
+LOCAL = ("verifier-think-local", "progress-local")  # ... with credit past the first error
 FLAT, SHUFFLED = {"process_credit_control": "flat"}, {"process_credit_control": "shuffled"}
 
 
@@ -227,6 +228,19 @@ ARMS = {
                     "tab:brown", *THINK, _recommended(RECOMMENDED_ALPHA, **SHUFFLED)),
     # outcome and recommended at the update size each chose in the same search, and the
     # recommended credit's two controls at recommended's
+    # Progress past the first error (process.anchored_credit "progress-local"): the tuned
+    # recommended form whose steps after the first error are checked on their own inputs.
+    "recommended-local-tuned": Arm("recommended-tuned, with credit past the first error",
+                                   "darkgreen", *LOCAL,
+                                   {**_recommended(RECOMMENDED_ALPHA), **TUNED_RECOMMENDED},
+                                   placebo="placebo-local-tuned"),
+    "placebo-local-tuned": Arm("control: recommended-local-tuned's credit spread evenly over "
+                               "each completion", "lightpink", *LOCAL,
+                               {**_recommended(RECOMMENDED_ALPHA, **FLAT), **TUNED_RECOMMENDED}),
+    "shuffled-local-tuned": Arm("control: recommended-local-tuned's credit shuffled among "
+                                "each completion's steps", "peru", *LOCAL,
+                                {**_recommended(RECOMMENDED_ALPHA, **SHUFFLED),
+                                 **TUNED_RECOMMENDED}),
     "outcome-tuned": Arm("outcome, update size tuned on val", "tab:cyan", config=TUNED_OUTCOME),
     "recommended-tuned": Arm("recommended, update size tuned on val", "black", *THINK,
                              {**_recommended(RECOMMENDED_ALPHA), **TUNED_RECOMMENDED},
@@ -263,7 +277,7 @@ PER_RUN = {"seed": "--seeds sets each run's seed", "supervision": "each arm sets
 COSMETIC = ("output_dir", "progress", "eval_batch_size", "report_to", "sample_every",
             "checkpoint_minutes", "keep_checkpoints", "stop_signals")
 PROCESS_FIELDS = ("step_scorer", "process_variant", "step_split", "mc_rollouts", "process_alpha",
-                  "process_credit_control")
+                  "process_credit_control", "process_local_weight")
 
 
 @dataclass
@@ -335,6 +349,8 @@ def _run_settings(config, args, prm_report=None):
         s.pop("process_credit_control")
     if s.get("process_credit_control") == "none":
         s.pop("process_credit_control")  # runs from before the controls existed stay reusable
+    if s.get("process_variant") != "progress-local":
+        s.pop("process_local_weight", None)  # only progress-local reads it
     s.update(model=args.model, eval_split=args.eval_split, train_examples=args.train_examples,
              train_level_weights=args.train_level_weights)
     if config.supervision == "process" and config.step_scorer.split(":")[0] in (
