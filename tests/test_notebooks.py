@@ -16,7 +16,11 @@ they run, they are clean, they match the package, their text agrees with their o
 - The learner's code carries over (notebooks/learner/): each committed learner/chNN.py is
   exactly what chapter NN's stored notebook writes from its cells marked
   `# carried over to learner/chNN.py`, it imports everything its functions read, and a notebook
-  imports from it only names it defines, and only from an earlier chapter's module.
+  imports from it only names it defines, and only from an earlier chapter's module (a chapter's
+  solutions and experiment notebook also from its own).
+- A chapter may have an experiment notebook beside its tutorial (`EXPERIMENTS`: the runs and
+  the results read from docs/); the two link each other, and the exercises and diagrams are
+  the tutorial's.
 - A measured number quoted in the text (a decimal such as 0.35, a percentage, a duration in
   seconds) must be one the notebook prints (possibly rounded) or a literal of its code: text
   written before the run, or left unchanged after a re-run, contradicts the outputs.
@@ -58,6 +62,10 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 SOLUTIONS_DIR = NOTEBOOK_DIR / "solutions"
 CHAPTERS = sorted(NOTEBOOK_DIR.glob("ch*.ipynb"))
+# A chapter's experiment notebook: the runs and results of a chapter whose tutorial notebook
+# builds the pieces (its exercises are the tutorial's).
+EXPERIMENTS = {"ch08_process_vs_outcome.ipynb": "ch08_process_supervision.ipynb"}
+TUTORIALS = [p for p in CHAPTERS if p.name not in EXPERIMENTS]
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb")) + sorted(SOLUTIONS_DIR.glob("*.ipynb"))
 PACKAGE = "reasoning_from_scratch"
 MAX_LINE = 100
@@ -491,7 +499,7 @@ def exercise_problems(nb, chapter, solutions):
     return problems
 
 
-@pytest.mark.parametrize("path", CHAPTERS, ids=_ids(CHAPTERS))
+@pytest.mark.parametrize("path", TUTORIALS, ids=_ids(TUTORIALS))
 def test_chapter_has_exercises_and_solutions(path):
     chapter = int(path.name[2:4])
     solutions_path = SOLUTIONS_DIR / f"ch{chapter:02d}_solutions.ipynb"
@@ -542,12 +550,21 @@ def _learner():
 
 
 def _chapter_notebook(chapter):
-    (path,) = [p for p in CHAPTERS if _chapter(p) == chapter]
+    (path,) = [p for p in TUTORIALS if _chapter(p) == chapter]
     return path
 
 
 def test_learner_modules_exist():
-    assert [p.name for p in LEARNER_MODULES] == ["ch07.py"], "notebooks/learner/ changed"
+    assert [p.name for p in LEARNER_MODULES] == ["ch07.py", "ch08.py"], "learner/ changed"
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_experiment_notebook_and_its_tutorial_link_each_other(name):
+    tutorial = EXPERIMENTS[name]
+    assert _chapter(Path(name)) == _chapter(Path(tutorial))
+    for path, other in ((NOTEBOOK_DIR / name, tutorial), (NOTEBOOK_DIR / tutorial, name)):
+        text = "\n".join(c.source for c in _read(path).cells if c.cell_type == "markdown")
+        assert f"]({other})" in text, f"{path.name} does not link to {other}"
 
 
 @pytest.mark.parametrize("module", LEARNER_MODULES, ids=[p.name for p in LEARNER_MODULES])
@@ -600,11 +617,14 @@ def test_learner_imports_come_from_earlier_chapters(path):
             continue
         tree = ast.parse(file.read_text(encoding="utf-8"))
         defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Name)}  # a carried setting
         if name not in defined:
             problems.append(f"learner/{module}.py defines no {name}")
-        # a chapter takes from earlier chapters; its solutions may take from its own too
+        # a tutorial takes from earlier chapters; its solutions and experiments from its own too
+        own = path.parent == SOLUTIONS_DIR or path.name in EXPERIMENTS
         if chapter is None or int(module[2:]) > chapter or (
-                int(module[2:]) == chapter and path.parent != SOLUTIONS_DIR):
+                int(module[2:]) == chapter and not own):
             problems.append(f"imports learner/{module}.py, not an earlier chapter's")
     assert not problems, f"{_name(path)}: " + "; ".join(problems)
 
@@ -657,7 +677,7 @@ def figure_count(nb):
 
 @pytest.mark.parametrize("chapter", sorted(MIN_FIGURES))
 def test_chapter_shows_its_figures(chapter):
-    (path,) = [p for p in CHAPTERS if _chapter(p) == chapter]
+    (path,) = [p for p in TUTORIALS if _chapter(p) == chapter]
     shown = figure_count(_read(path))
     assert shown >= MIN_FIGURES[chapter], (
         f"{_name(path)} shows {shown} figures, want at least {MIN_FIGURES[chapter]}")
@@ -671,7 +691,7 @@ def diagram_count(nb):
 
 @pytest.mark.parametrize("chapter", sorted(MIN_DIAGRAMS))
 def test_chapter_shows_its_diagrams(chapter):
-    (path,) = [p for p in CHAPTERS if _chapter(p) == chapter]
+    (path,) = [p for p in TUTORIALS if _chapter(p) == chapter]
     shown = diagram_count(_read(path))
     assert shown >= MIN_DIAGRAMS[chapter], (
         f"{_name(path)} embeds {shown} diagrams of notebooks/figures/, want at least "
