@@ -13,6 +13,7 @@ two cannot drift apart.
 import inspect
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -40,17 +41,20 @@ def carried_cells(notebook, module):
 def module_source(notebook, module):
     """The text of learner/<module>.py: a header, then the marked cells of `notebook`."""
     name = Path(notebook).name
-    header = (f'"""The functions of {name} that later chapters import.\n\n'
+    header = (f'"""The functions of {name} that later notebooks import.\n\n'
               f'Written by the notebook from its cells that start with "{marker(module)}", in\n'
               'its order: re-run the notebook to rewrite this file, do not edit it.\n"""')
     return "\n\n\n".join([header, *carried_cells(notebook, module)]) + "\n"
 
 
 def _stale(source, namespace):
-    """Names of the module's functions whose source differs from the one the kernel ran."""
+    """Names of the module's functions and classes (where their source can be found) that differ
+    from the kernel's."""
     stale = []
     for name, obj in namespace.items():
-        if inspect.isfunction(obj) and obj.__module__ == "__main__" and f"def {name}(" in source:
+        kind = "def" if inspect.isfunction(obj) else "class" if inspect.isclass(obj) else None
+        defined = kind and re.search(rf"^{kind} {name}\b", source, re.M)
+        if defined and obj.__module__ == "__main__":
             try:
                 if inspect.getsource(obj).strip("\n") not in source:
                     stale.append(name)

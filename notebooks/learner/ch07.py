@@ -1,4 +1,4 @@
-"""The functions of ch07_improving_grpo.ipynb that later chapters import.
+"""The functions of ch07_improving_grpo.ipynb that later notebooks import.
 
 Written by the notebook from its cells that start with "# carried over to learner/ch07.py", in
 its order: re-run the notebook to rewrite this file, do not edit it.
