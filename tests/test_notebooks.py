@@ -13,6 +13,14 @@ they run, they are clean, they match the package, their text agrees with their o
 - Every function or class a notebook defines at top level must have a package twin: the
   notebook imports a same-named object from `reasoning_from_scratch` and uses it (to show both
   give the same result). Names starting with `_` are notebook-local helpers and exempt.
+- The learner's code carries over (notebooks/learner/): each committed learner/chNN.py is
+  exactly what chapter NN's stored notebook writes from its cells marked
+  `# carried over to learner/chNN.py`, it imports everything its functions read, and a notebook
+  imports from it only names it defines, and only from an earlier chapter's module (a chapter's
+  solutions and experiment notebook also from its own).
+- A chapter may have an experiment notebook beside its tutorial (`EXPERIMENTS`: the runs and
+  the results read from docs/); the two link each other, and the exercises and diagrams are
+  the tutorial's.
 - A measured number quoted in the text (a decimal such as 0.35, a percentage, a duration in
   seconds) must be one the notebook prints (possibly rounded) or a literal of its code: text
   written before the run, or left unchanged after a re-run, contradicts the outputs.
@@ -33,7 +41,11 @@ of the stored notebooks are quick and always run.
 """
 
 import ast
+import builtins
+import dis
+import importlib
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -50,6 +62,10 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 SOLUTIONS_DIR = NOTEBOOK_DIR / "solutions"
 CHAPTERS = sorted(NOTEBOOK_DIR.glob("ch*.ipynb"))
+# A chapter's experiment notebook: the runs and results of a chapter whose tutorial notebook
+# builds the pieces (its exercises are the tutorial's).
+EXPERIMENTS = {"ch08_process_vs_outcome.ipynb": "ch08_process_supervision.ipynb"}
+TUTORIALS = [p for p in CHAPTERS if p.name not in EXPERIMENTS]
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb")) + sorted(SOLUTIONS_DIR.glob("*.ipynb"))
 PACKAGE = "reasoning_from_scratch"
 MAX_LINE = 100
@@ -483,7 +499,7 @@ def exercise_problems(nb, chapter, solutions):
     return problems
 
 
-@pytest.mark.parametrize("path", CHAPTERS, ids=_ids(CHAPTERS))
+@pytest.mark.parametrize("path", TUTORIALS, ids=_ids(TUTORIALS))
 def test_chapter_has_exercises_and_solutions(path):
     chapter = int(path.name[2:4])
     solutions_path = SOLUTIONS_DIR / f"ch{chapter:02d}_solutions.ipynb"
@@ -519,6 +535,124 @@ def test_exercise_check_flags_missing_exercises_and_solutions():
     assert exercise_problems(nb, 4, solutions) == ["no '## Exercises' section"]
 
 
+# --- the learner's code carries over: notebooks/learner/chNN.py -------------------------------
+
+LEARNER_DIR = NOTEBOOK_DIR / "learner"
+LEARNER_MODULES = sorted(LEARNER_DIR.glob("ch*.py"))
+
+
+def _learner():
+    """notebooks/learner/__init__.py, the code that writes the modules, as a module."""
+    spec = importlib.util.spec_from_file_location("_learner_writer", LEARNER_DIR / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _chapter_notebook(chapter):
+    (path,) = [p for p in TUTORIALS if _chapter(p) == chapter]
+    return path
+
+
+def test_learner_modules_exist():
+    assert [p.name for p in LEARNER_MODULES] == ["ch07.py", "ch08.py"], "learner/ changed"
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_experiment_notebook_and_its_tutorial_link_each_other(name):
+    tutorial = EXPERIMENTS[name]
+    assert _chapter(Path(name)) == _chapter(Path(tutorial))
+    for path, other in ((NOTEBOOK_DIR / name, tutorial), (NOTEBOOK_DIR / tutorial, name)):
+        text = "\n".join(c.source for c in _read(path).cells if c.cell_type == "markdown")
+        assert f"]({other})" in text, f"{path.name} does not link to {other}"
+
+
+@pytest.mark.parametrize("module", LEARNER_MODULES, ids=[p.name for p in LEARNER_MODULES])
+def test_learner_module_is_what_its_notebook_writes(module):
+    learner, notebook = _learner(), _chapter_notebook(int(module.stem[2:]))
+    assert learner.carried_cells(notebook, module.stem), f"{notebook.name} marks no cell"
+    assert module.read_text(encoding="utf-8") == learner.module_source(notebook, module.stem), (
+        f"learner/{module.name} is not what {notebook.name}'s marked cells give: "
+        f"python notebooks/execute.py notebooks/{notebook.name}")
+
+
+def _global_names(code):
+    """Names a code object and the code nested in it read as globals."""
+    names = {i.argval for i in dis.get_instructions(code)
+             if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _global_names(const)
+    return names
+
+
+@pytest.mark.parametrize("module", LEARNER_MODULES, ids=[p.name for p in LEARNER_MODULES])
+def test_learner_module_stands_on_its_own(module, monkeypatch):
+    """Outside its notebook's kernel, every name the module's functions read is defined."""
+    monkeypatch.syspath_prepend(str(NOTEBOOK_DIR))
+    imported = importlib.import_module(f"learner.{module.stem}")
+    code = compile(module.read_text(encoding="utf-8"), str(module), "exec")
+    missing = sorted(n for n in _global_names(code)
+                     if not hasattr(imported, n) and not hasattr(builtins, n))
+    assert not missing, f"learner/{module.name} reads {missing} without importing them"
+
+
+def learner_imports(nb):
+    """(chapter module, name) of every `from learner.chNN import name` of a notebook."""
+    found = []
+    for source in _code_sources(nb):
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("learner."):
+                found += [(node.module.split(".", 1)[1], a.name) for a in node.names]
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_learner_imports_come_from_earlier_chapters(path):
+    chapter, problems = _chapter(path), []
+    for module, name in learner_imports(_read(path)):
+        file = LEARNER_DIR / f"{module}.py"
+        if not file.is_file():
+            problems.append(f"learner/{module}.py does not exist")
+            continue
+        tree = ast.parse(file.read_text(encoding="utf-8"))
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Name)}  # a carried setting
+        if name not in defined:
+            problems.append(f"learner/{module}.py defines no {name}")
+        # a tutorial takes from earlier chapters; its solutions and experiments from its own too
+        own = path.parent == SOLUTIONS_DIR or path.name in EXPERIMENTS
+        if chapter is None or int(module[2:]) > chapter or (
+                int(module[2:]) == chapter and not own):
+            problems.append(f"imports learner/{module}.py, not an earlier chapter's")
+    assert not problems, f"{_name(path)}: " + "; ".join(problems)
+
+
+def test_learner_writer_carries_the_marked_cells(tmp_path, monkeypatch):
+    learner = _learner()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(f"{learner.marker('ch05')}\ndef f():\n    return 1"),
+                nbformat.v4.new_code_cell("def g():\n    return 2"),
+                nbformat.v4.new_markdown_cell(f"{learner.marker('ch05')}\ntext"),
+                nbformat.v4.new_code_cell(f"{learner.marker('ch04')}\nx = 1"),
+                nbformat.v4.new_code_cell(f"{learner.marker('ch05')}\n\nimport os")]
+    path = tmp_path / "ch05_x.ipynb"
+    nbformat.write(nb, path)
+    assert learner.carried_cells(path, "ch05") == ["def f():\n    return 1", "import os"]
+    source = learner.module_source(path, "ch05")
+    assert source.endswith('"""\n\n\ndef f():\n    return 1\n\n\nimport os\n')
+    monkeypatch.setattr(learner, "LEARNER_DIR", tmp_path)
+    assert learner.write_module(path, "ch05").read_text() == source
+
+    def f():
+        return 3  # another version than the saved notebook's
+
+    f.__module__ = "__main__"  # as if the kernel had run it
+    with pytest.raises(RuntimeError, match=r"\['f'\]"):
+        learner.write_module(path, "ch05", {"f": f})
+
+
 # --- figures: every image a notebook shows exists, and the diagrams can be redrawn -------------
 
 IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
@@ -543,7 +677,7 @@ def figure_count(nb):
 
 @pytest.mark.parametrize("chapter", sorted(MIN_FIGURES))
 def test_chapter_shows_its_figures(chapter):
-    (path,) = [p for p in CHAPTERS if _chapter(p) == chapter]
+    (path,) = [p for p in TUTORIALS if _chapter(p) == chapter]
     shown = figure_count(_read(path))
     assert shown >= MIN_FIGURES[chapter], (
         f"{_name(path)} shows {shown} figures, want at least {MIN_FIGURES[chapter]}")
@@ -557,7 +691,7 @@ def diagram_count(nb):
 
 @pytest.mark.parametrize("chapter", sorted(MIN_DIAGRAMS))
 def test_chapter_shows_its_diagrams(chapter):
-    (path,) = [p for p in CHAPTERS if _chapter(p) == chapter]
+    (path,) = [p for p in TUTORIALS if _chapter(p) == chapter]
     shown = diagram_count(_read(path))
     assert shown >= MIN_DIAGRAMS[chapter], (
         f"{_name(path)} embeds {shown} diagrams of notebooks/figures/, want at least "
