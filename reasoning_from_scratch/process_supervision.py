@@ -38,12 +38,13 @@ from .step_scorers import (
 
 def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
                       **mc_kwargs) -> StepScorer:
-    """A scorer from a command-line spec: verifier | verifier-signed | verifier-think | format |
-    belief | mc | mc-hard | mc-branch | prm:PATH | online-prm:PATH | online-prm-outcome:PATH
+    """A scorer from a command-line spec: verifier | verifier-signed | verifier-think |
+    verifier-think-local | format | belief | mc | mc-hard | mc-branch | prm:PATH |
+    online-prm:PATH | online-prm-outcome:PATH
     (`verifier-think`: steps count only in the think format, `VerifierStepScorer(think_only=
     True)`; `verifier-think-local`: the same, each step checked on its own inputs, an earlier
-    error not propagated, for the `progress-local` credit; `format`: the think format alone, `FormatStepScorer` (a placebo); `belief`: the
-    policy's probability of the gold answer after each step, `AnswerBeliefStepScorer`
+    error not propagated, for the `progress-local` credit; `format`: the think format alone,
+    `FormatStepScorer` (a placebo); `belief`: the policy's probability of the gold answer after each step, `AnswerBeliefStepScorer`
     (GRPO-VPS); `mc-branch`: Monte-Carlo values from the group's own completions and
     continuations branched from the rollouts' caches, `MonteCarloStepScorer(branch=True)`).
 
@@ -83,8 +84,8 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
             prm, prm_tokenizer = load_prm(spec[len(prefix):], device=device)
             return OnlinePRMStepScorer(prm, prm_tokenizer, labeler)
     raise ValueError(f"unknown step scorer {spec!r}; expected verifier, verifier-signed, "
-                     "verifier-think, verifier-think-local, format, belief, mc, mc-hard, mc-branch, prm:PATH, "
-                     "online-prm:PATH or online-prm-outcome:PATH")
+                     "verifier-think, verifier-think-local, format, belief, mc, mc-hard, "
+                     "mc-branch, prm:PATH, online-prm:PATH or online-prm-outcome:PATH")
 
 
 def process_token_advantages(
