@@ -44,8 +44,8 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
     (`verifier-think`: steps count only in the think format, `VerifierStepScorer(think_only=
     True)`; `verifier-think-local`: the same, each step checked on its own inputs, an earlier
     error not propagated, for the `progress-local` credit; `format`: the think format alone,
-    `FormatStepScorer` (a placebo); `belief`: the policy's probability of the gold answer after each step, `AnswerBeliefStepScorer`
-    (GRPO-VPS); `mc-branch`: Monte-Carlo values from the group's own completions and
+    `FormatStepScorer` (a placebo); `belief`: the policy's probability of the gold answer after
+    each step, `AnswerBeliefStepScorer` (GRPO-VPS); `mc-branch`: Monte-Carlo values from the group's own completions and
     continuations branched from the rollouts' caches, `MonteCarloStepScorer(branch=True)`).
 
     `mc` samples with `model` (the policy being trained, so it follows the current policy);
