@@ -45,8 +45,9 @@ def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
     True)`; `verifier-think-local`: the same, each step checked on its own inputs, an earlier
     error not propagated, for the `progress-local` credit; `format`: the think format alone,
     `FormatStepScorer` (a placebo); `belief`: the policy's probability of the gold answer after
-    each step, `AnswerBeliefStepScorer` (GRPO-VPS); `mc-branch`: Monte-Carlo values from the group's own completions and
-    continuations branched from the rollouts' caches, `MonteCarloStepScorer(branch=True)`).
+    each step, `AnswerBeliefStepScorer` (GRPO-VPS); `mc-branch`: Monte-Carlo values from the
+    group's own completions and continuations branched from the rollouts' caches,
+    `MonteCarloStepScorer(branch=True)`).
 
     `mc` samples with `model` (the policy being trained, so it follows the current policy);
     `mc_kwargs` go to `MonteCarloStepScorer`. `prm:PATH` loads a model saved by `prm.save_prm`;
