@@ -27,6 +27,11 @@ they run, they are clean, they match the package, their text agrees with their o
 - Every chapter notebook ends with an "Exercises" section of 2-3 exercises (headed
   `### Exercise N.k: ...`, or paragraphs led by `**N.k ...**`) and has a solutions notebook,
   notebooks/solutions/chNN_solutions.ipynb, that answers each under a `## N.k` heading.
+- Chapters 2-6 each have one opt-in cell (id `qwen3-optin`) that runs the chapter's own code on
+  a real Qwen3 checkpoint when the environment variable QWEN3_DIR names one, and otherwise prints
+  that it was skipped; the committed outputs show it skipped. The executions set QWEN3_DIR to a
+  stand-in checkpoint (the bundled tiny model re-saved in bfloat16, in Hugging Face layout), so
+  these cells run in the suite: an execution fails unless its opt-in cell ran on the stand-in.
 - No code cell is longer than 30 lines: a cell does one job (drawing code lives in
   notebooks/figures/, long functions are split into helpers).
 - The `[notebooks]` extra of pyproject.toml installs what opening them takes (JupyterLab, its
@@ -53,8 +58,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 import reasoning_from_scratch
+from reasoning_from_scratch.weights import load_pretrained, save_pretrained
 
 nbformat = pytest.importorskip("nbformat")
 
@@ -76,6 +83,9 @@ NOTEBOOK_WORKERS = int(os.environ.get("RFS_NOTEBOOK_WORKERS", "2"))  # kernels r
 MIN_OUTPUT_SHARE = 0.8
 EXERCISES = (2, 3)  # exercises per chapter, at least and at most
 MAX_CELL_LINES = 30
+QWEN3_ENV = "QWEN3_DIR"  # the opt-in cells' switch: a local Qwen3 checkpoint directory
+OPT_IN_CELL_ID = "qwen3-optin"
+OPT_IN_CHAPTERS = (2, 3, 4, 5, 6)
 MIN_FIGURES = {6: 8, 7: 8}  # chapter -> figures it shows at least
 # chapter -> diagrams of notebooks/figures/ its text embeds at least (the idea, drawn)
 MIN_DIAGRAMS = {2: 3, 3: 2, 4: 2, 5: 2, 8: 2, 9: 2}
@@ -282,8 +292,9 @@ def _execute_script():
 
 
 def _run_notebook(execute, path, kernels):
-    """Execute notebook `path` in a fresh kernel (not saved); returns the wall seconds. A first
-    cell proves the kernel runs this interpreter and imports this checkout's package."""
+    """Execute notebook `path` in a fresh kernel (not saved); returns the wall seconds and the
+    executed notebook. A first cell proves the kernel runs this interpreter and imports this
+    checkout's package."""
     nb = _read(path)
     check = (
         "import sys, reasoning_from_scratch\n"
@@ -292,13 +303,23 @@ def _run_notebook(execute, path, kernels):
         "reasoning_from_scratch.__file__"
     )
     nb.cells.insert(0, nbformat.v4.new_code_cell(check))
-    return execute.execute_notebook(nb, kernels, timeout=CELL_TIMEOUT_S, cwd=path.parent)
+    return execute.execute_notebook(nb, kernels, timeout=CELL_TIMEOUT_S, cwd=path.parent), nb
+
+
+def write_qwen3_standin(out_dir):
+    """A stand-in for a real Qwen3 checkpoint, for the opt-in cells: the bundled tiny model
+    re-saved in Hugging Face layout with bfloat16 weights (the dtype Qwen's checkpoints are
+    stored in; the cells load it as float32). Returns the directory."""
+    model, tokenizer = load_pretrained("tiny-arith", device="cpu", dtype=torch.bfloat16)
+    return save_pretrained(model, tokenizer, out_dir)
 
 
 @pytest.fixture(scope="module")
 def notebook_runs(request, tmp_path_factory):
     """The selected notebooks' executions, started together on NOTEBOOK_WORKERS threads (each
-    waits on its own kernel process): path -> future of its wall seconds, in test order."""
+    waits on its own kernel process): path -> future of (wall seconds, executed notebook), in
+    test order. QWEN3_DIR
+    names a stand-in checkpoint, so that the opt-in cells run too."""
     pytest.importorskip("ipykernel")
     execute = _execute_script()
     kernels = tmp_path_factory.mktemp("kernels")
@@ -309,6 +330,8 @@ def notebook_runs(request, tmp_path_factory):
             ThreadPoolExecutor(max_workers=max(1, NOTEBOOK_WORKERS)) as pool:
         for key, value in execute.KERNEL_ENV.items():  # undone after the module
             mp.setenv(key, value)  # (execute_notebook sets them too)
+        if any(_chapter(p) in OPT_IN_CHAPTERS for p in selected):
+            mp.setenv(QWEN3_ENV, str(write_qwen3_standin(tmp_path_factory.mktemp("qwen3"))))
         yield {path: pool.submit(_run_notebook, execute, path, kernels) for path in selected}
 
 
@@ -316,12 +339,65 @@ def notebook_runs(request, tmp_path_factory):
 @pytest.mark.slow  # every notebook executed: most of the suite's notebook time
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_notebook_runs(path, notebook_runs, capsys):
-    wall = notebook_runs[path].result()  # a cell's error is raised here
+    wall, nb = notebook_runs[path].result()  # a cell's error is raised here
+    if path.parent == NOTEBOOK_DIR and _chapter(path) in OPT_IN_CHAPTERS:
+        (cell,) = [c for c in nb.cells if c.get("id") == OPT_IN_CELL_ID]
+        shown = "".join(o.get("text", "") for o in cell.outputs)
+        assert shown and not shown.startswith("skipped"), f"the opt-in cell did not run: {shown}"
     with capsys.disabled():
         print(f"\n[notebooks] {_name(path)}: {wall:.1f} s")
     limit = SOLUTIONS_TIME_LIMIT_S if path.parent == SOLUTIONS_DIR else TIME_LIMIT_S
     if limit > 0:
         assert wall < limit, f"{_name(path)} took {wall:.0f} s (limit {limit:.0f} s)"
+
+
+def opt_in_problems(nb):
+    """Why a chapter notebook lacks exactly one opt-in Qwen3 cell whose stored output shows it
+    skipped (empty list if nothing is wrong)."""
+    reading = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+               and f'os.environ.get("{QWEN3_ENV}")' in c.source]
+    if len(reading) != 1:
+        return [f"{len(reading)} code cells read {QWEN3_ENV} (want exactly one)"]
+    i = reading[0]
+    cell, problems = nb.cells[i], []
+    if cell.get("id") != OPT_IN_CELL_ID:
+        problems.append(f"the opt-in cell {i} has id {cell.get('id')!r}, not {OPT_IN_CELL_ID!r}")
+    above = nb.cells[i - 1] if i else None
+    if above is None or above.cell_type != "markdown" or QWEN3_ENV not in above.source:
+        problems.append(f"no markdown cell above the opt-in cell {i} says how to turn it on")
+    shown = "".join(o.get("text", "") for o in cell.get("outputs", [])
+                    if o.get("output_type") == "stream")
+    if len(cell.get("outputs", [])) != 1 or not shown.startswith("skipped:") \
+            or QWEN3_ENV not in shown or shown.count("\n") != 1:
+        problems.append(f"the opt-in cell's stored output is {shown!r}, not the one line saying "
+                        f"it was skipped (execute it with {QWEN3_ENV} unset)")
+    return problems
+
+
+@pytest.mark.parametrize("chapter", OPT_IN_CHAPTERS)
+def test_chapter_has_a_skipped_opt_in_cell(chapter):
+    (path,) = [p for p in CHAPTERS if _chapter(p) == chapter]
+    problems = opt_in_problems(_read(path))
+    assert not problems, f"{_name(path)}: " + "; ".join(problems)
+    assert QWEN3_ENV in (NOTEBOOK_DIR / "README.md").read_text(), "README: how to turn it on"
+
+
+def test_opt_in_check_flags_a_cell_run_on_weights():
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+    nb = nbformat.v4.new_notebook()
+    cell = code(f'import os\nif not os.environ.get("{QWEN3_ENV}"):\n    print("skipped")')
+    cell.id = OPT_IN_CELL_ID
+    skipped = nbformat.v4.new_output("stream", text=f"skipped: set {QWEN3_ENV} to run it\n")
+    cell.outputs = [skipped]
+    nb.cells = [md(f"Set `{QWEN3_ENV}`."), cell]
+    assert opt_in_problems(nb) == []
+    cell.outputs = [nbformat.v4.new_output("stream", text="12,345 parameters\nmatches\n")]
+    assert len(opt_in_problems(nb)) == 1
+    nb.cells = [md("text"), cell, cell]
+    assert opt_in_problems(nb) == [f"2 code cells read {QWEN3_ENV} (want exactly one)"]
+    nb.cells = [code("x = 1"), cell]
+    cell.outputs, cell.id = [skipped], "other"
+    assert len(opt_in_problems(nb)) == 2  # the id, and no markdown above
 
 
 # --- numbers quoted in the text must be numbers the notebook prints ---------------------------
