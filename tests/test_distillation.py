@@ -434,6 +434,29 @@ def test_ch09_tiny_run_with_given_traces_and_teacher(tiny_dir, tmp_path):
     assert (out / "final" / "model.safetensors").is_file()
 
 
+def test_ch09_record_collects_runs_in_one_file(tiny_dir, tmp_path):
+    traces = write_traces(TRACES, tmp_path / "traces.jsonl")
+    record = tmp_path / "docs" / "step_check.json"
+    common = ["--teacher", str(tiny_dir), "--student", str(tiny_dir), "--traces", str(traces),
+              "--record", str(record), *CLI_FLAGS]
+    first = _ch09_main()([*common, "--output-dir", str(tmp_path / "a")])
+    _ch09_main()([*common, "--output-dir", str(tmp_path / "b"), "--no-check-steps",
+                  "--seed", "3"])
+    runs = json.loads(record.read_text())["runs"]
+    assert sorted(runs) == ["answer+steps-seed0", "answer-seed3"]
+    entry = runs["answer+steps-seed0"]
+    assert entry["check_steps"] is True and entry["seed"] == 0
+    assert entry["traces_kept"] == len(TRACES) and entry["output_dir"] == str(tmp_path / "a")
+    for key in ("teacher_accuracy", "student_final_accuracy", "final_step_correctness"):
+        assert entry[key] == first[key]
+    assert runs["answer-seed3"]["check_steps"] is False
+    # a rerun of one name replaces its entry, the others stay
+    _ch09_main()([*common, "--output-dir", str(tmp_path / "c")])
+    runs = json.loads(record.read_text())["runs"]
+    assert sorted(runs) == ["answer+steps-seed0", "answer-seed3"]
+    assert runs["answer+steps-seed0"]["output_dir"] == str(tmp_path / "c")
+
+
 def test_ch09_resume_of_a_run_without_a_checkpoint_starts_it_over(tiny_dir, tmp_path, capsys):
     traces = write_traces(TRACES, tmp_path / "traces.jsonl")
     out = tmp_path / "run"
