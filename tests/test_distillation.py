@@ -446,6 +446,7 @@ def test_ch09_record_collects_runs_in_one_file(tiny_dir, tmp_path):
     assert sorted(runs) == ["answer+steps-seed0", "answer-seed3"]
     entry = runs["answer+steps-seed0"]
     assert entry["check_steps"] is True and entry["seed"] == 0
+    assert entry["recorded_by"] == "ch09_distill.py --record"
     assert entry["traces_kept"] == len(TRACES) and entry["output_dir"] == str(tmp_path / "a")
     for key in ("teacher_accuracy", "student_final_accuracy", "final_step_correctness"):
         assert entry[key] == first[key]

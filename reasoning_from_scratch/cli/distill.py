@@ -281,7 +281,8 @@ def record_run(path, summary: dict, data: dict) -> dict:
     content = read_json(path) if path.is_file() else {}
     seed = summary["config"]["seed"]
     entry = {**{k: summary.get(k) for k in RECORDED}, "seed": seed,
-             "check_steps": data["check_steps"], "traces_kept": summary["traces"].get("kept")}
+             "check_steps": data["check_steps"], "traces_kept": summary["traces"].get("kept"),
+             "recorded_by": "ch09_distill.py --record"}
     runs = {**content.get("runs", {}), record_name(data, seed): entry}
     content = {**content, "runs": dict(sorted(runs.items()))}
     path.parent.mkdir(parents=True, exist_ok=True)
