@@ -12,7 +12,7 @@ from .distillation import (
 from .distillation_training import DistillConfig, split_traces, train_distillation
 from .experiments.distill_vs_rl import run_distill_vs_rl
 from .qwen3 import download_qwen3_distill_checkpoints
-from .sft import collate, completion_loss, train_sft
+from .sft import collate, completion_loss, soft_distillation_loss, train_sft
 
 __all__ = [
     "filter_traces",
@@ -28,5 +28,6 @@ __all__ = [
     "run_distill_vs_rl",
     "collate",
     "completion_loss",
+    "soft_distillation_loss",
     "train_sft",
 ]

@@ -148,6 +148,25 @@ def completion_loss(model, prefix: torch.Tensor, inputs: torch.Tensor, targets: 
                            reduction=reduction)
 
 
+def soft_distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                           targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions, averaged over the scored
+    positions of a collated batch (targets != -100), times temperature**2.
+
+    Soft distillation (Hinton et al., 2015): the student matches the teacher's whole
+    distribution at each completion position, not only the sampled token. Both (B, T, V) logit
+    tensors are divided by `temperature` before the softmax; the factor temperature**2 keeps the
+    gradient's scale comparable across temperatures.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    scored = targets != -100  # (B, T)
+    student_logp = F.log_softmax(at_least_float32(student_logits)[scored] / temperature, dim=-1)
+    teacher_logp = F.log_softmax(at_least_float32(teacher_logits)[scored] / temperature, dim=-1)
+    kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)  # (scored positions,)
+    return kl.mean() * temperature**2
+
+
 def make_sft_optimizer(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW with weight decay on the matrices only (norm scales are not decayed)."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]

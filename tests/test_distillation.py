@@ -37,6 +37,7 @@ from reasoning_from_scratch.sft import (
     completion_loss,
     make_sft_optimizer,
     mean_completion_loss,
+    soft_distillation_loss,
     train_sft,
 )
 from reasoning_from_scratch.weights import load_pretrained
@@ -90,6 +91,30 @@ def test_completion_loss_equals_the_hand_computed_mean_over_completion_tokens():
     with torch.no_grad():
         shared = completion_loss(model, torch.tensor([5, 6]), *collate(pairs, 0, prefix_len=2))
     assert shared.item() == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_soft_distillation_loss_is_the_kl_to_the_teacher_on_completion_positions():
+    student, teacher = _tiny_model(seed=0), _tiny_model(seed=1)
+    pairs = [([5, 6, 7], [8, 9, 2]), ([5, 6, 10, 11], [12, 2])]
+    inputs, targets = collate(pairs, pad_id=0)
+    with torch.no_grad():
+        s_logits, t_logits = student(inputs), teacher(inputs)
+    picks = [(0, 2), (0, 3), (0, 4), (1, 3), (1, 4)]  # the scored positions, by hand
+    for temperature in (1.0, 2.0):
+        loss = soft_distillation_loss(s_logits, t_logits, targets, temperature)
+        p = F.softmax(t_logits / temperature, dim=-1)
+        q = F.softmax(s_logits / temperature, dim=-1)
+        by_hand = sum((p[b, t] * (p[b, t].log() - q[b, t].log())).sum() for b, t in picks)
+        assert loss.item() == pytest.approx(temperature**2 * by_hand.item() / len(picks),
+                                            rel=1e-4)
+    # zero against itself; prompt and padding positions do not count
+    assert soft_distillation_loss(t_logits, t_logits, targets).item() == pytest.approx(0, abs=1e-6)
+    noisy = s_logits.clone()
+    noisy[targets == -100] += 5 * torch.randn_like(noisy[targets == -100])
+    assert soft_distillation_loss(noisy, t_logits, targets).item() == pytest.approx(
+        soft_distillation_loss(s_logits, t_logits, targets).item(), rel=1e-6)
+    with pytest.raises(ValueError, match="temperature"):
+        soft_distillation_loss(s_logits, t_logits, targets, temperature=0.0)
 
 
 class _IdTokenizer:
@@ -407,6 +432,30 @@ def test_ch09_tiny_run_with_given_traces_and_teacher(tiny_dir, tmp_path):
     assert saved["traces"]["kept"] == len(TRACES)  # all of them verify
     assert read_traces(out / "traces.jsonl") == read_traces(traces)
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_ch09_record_collects_runs_in_one_file(tiny_dir, tmp_path):
+    traces = write_traces(TRACES, tmp_path / "traces.jsonl")
+    record = tmp_path / "docs" / "step_check.json"
+    common = ["--teacher", str(tiny_dir), "--student", str(tiny_dir), "--traces", str(traces),
+              "--record", str(record), *CLI_FLAGS]
+    first = _ch09_main()([*common, "--output-dir", str(tmp_path / "a")])
+    _ch09_main()([*common, "--output-dir", str(tmp_path / "b"), "--no-check-steps",
+                  "--seed", "3"])
+    runs = json.loads(record.read_text())["runs"]
+    assert sorted(runs) == ["answer+steps-seed0", "answer-seed3"]
+    entry = runs["answer+steps-seed0"]
+    assert entry["check_steps"] is True and entry["seed"] == 0
+    assert entry["recorded_by"] == "ch09_distill.py --record"
+    assert entry["traces_kept"] == len(TRACES) and entry["output_dir"] == str(tmp_path / "a")
+    for key in ("teacher_accuracy", "student_final_accuracy", "final_step_correctness"):
+        assert entry[key] == first[key]
+    assert runs["answer-seed3"]["check_steps"] is False
+    # a rerun of one name replaces its entry, the others stay
+    _ch09_main()([*common, "--output-dir", str(tmp_path / "c")])
+    runs = json.loads(record.read_text())["runs"]
+    assert sorted(runs) == ["answer+steps-seed0", "answer-seed3"]
+    assert runs["answer+steps-seed0"]["output_dir"] == str(tmp_path / "c")
 
 
 def test_ch09_resume_of_a_run_without_a_checkpoint_starts_it_over(tiny_dir, tmp_path, capsys):

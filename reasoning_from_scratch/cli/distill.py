@@ -151,6 +151,10 @@ def build_distill_parser(description: str) -> argparse.ArgumentParser:
                    help="replace the run already in --output-dir")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bars")
+    p.add_argument("--record", default=None,
+                   help="JSON file of several runs' results (e.g. docs/distill_step_check.json): "
+                        "this run's figures are added under '<filter>-seed<seed>' (filter: "
+                        "answer+steps or answer), replacing an earlier run of that name")
     add_runtime_arguments(p)
     add_timeout_argument(p)
     add_dtype_argument(p, "dtype of teacher and student")
@@ -256,6 +260,36 @@ def _traces(data, out, teacher, tokenizer, train, config):
     return records, stats
 
 
+# The figures of a run that `record_run` keeps (summary.json has more)
+RECORDED = ("teacher", "teacher_accuracy", "student", "student_base_accuracy",
+            "student_final_accuracy", "final_step_correctness", "final_carry_step_correctness",
+            "final_right_answer_wrong_step", "final_format_rate", "steps", "train_traces",
+            "eval_examples", "output_dir")
+
+
+def record_name(data: dict, seed: int) -> str:
+    """A run's name in a `--record` file: "answer+steps-seed0" or "answer-seed0"."""
+    return f"{'answer+steps' if data['check_steps'] else 'answer'}-seed{seed}"
+
+
+def record_run(path, summary: dict, data: dict) -> dict:
+    """Add a finished run's figures (RECORDED, the traces kept, the filter, the seed) to the JSON
+    file `path` under `record_name`, replacing an earlier run of that name; returns the file's
+    content. Several runs (seeds, with and without the step check) thus write one results
+    file that a notebook or a table reads."""
+    path = Path(path)
+    content = read_json(path) if path.is_file() else {}
+    seed = summary["config"]["seed"]
+    entry = {**{k: summary.get(k) for k in RECORDED}, "seed": seed,
+             "check_steps": data["check_steps"], "traces_kept": summary["traces"].get("kept"),
+             "recorded_by": "ch09_distill.py --record"}
+    runs = {**content.get("runs", {}), record_name(data, seed): entry}
+    content = {**content, "runs": dict(sorted(runs.items()))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, content)
+    return content
+
+
 class NoTracesError(RuntimeError):
     """The teacher (or --traces) gave no verified trace: nothing to train the student on."""
 
@@ -272,6 +306,7 @@ class DistillRun:
     dtype: str = "float32"
     overwrite: bool = False
     dist_timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES  # collectives' patience (launch.py)
+    record: str | Path | None = None  # add the run's figures to this JSON file (`record_run`)
 
 
 def parse_distill_args(argv, description: str) -> DistillRun:
@@ -282,7 +317,7 @@ def parse_distill_args(argv, description: str) -> DistillRun:
     config, data, ckpt = _resolve(parser, args, argv)
     restart = bool(args.resume) and ckpt is None  # no checkpoint yet: the run starts over
     return DistillRun(config, data, ckpt, args.device, args.threads, data["dtype"],
-                      args.overwrite or restart, args.dist_timeout_minutes)
+                      args.overwrite or restart, args.dist_timeout_minutes, args.record)
 
 
 def run_distill_cli(argv, description: str) -> dict:
@@ -400,6 +435,8 @@ def _distill(run: DistillRun, device) -> dict:
                "student": data["student"], "traces": stats, "config": asdict(config),
                **{k: v for k, v in summary.items() if k != "wall_seconds"}}
     run_on_main(atomic_write_json, out / "summary.json", summary)
+    if run.record:
+        run_on_main(record_run, run.record, summary, data)
     if is_main():
         print(json.dumps({k: summary[k] for k in ("student_base_accuracy",
                                                   "student_final_accuracy",
