@@ -10,7 +10,7 @@ shared CPU, several threads per process are many times slower). tests/test_noteb
     python notebooks/execute.py notebooks/ch06_grpo.ipynb notebooks/solutions/ch06_solutions.ipynb
 
 A notebook runs in its own directory, so its relative paths (../docs/...) work as in Jupyter.
-The committed outputs show the opt-in cells of chapters 2-6 skipped: this script unsets QWEN3_DIR
+The committed outputs show the opt-in cells of chapters 2-9 skipped: this script unsets QWEN3_DIR
 (the local Qwen3 checkpoint those cells run on; notebooks/README.md), which a reader sets to run
 them in Jupyter.
 """

@@ -27,11 +27,12 @@ they run, they are clean, they match the package, their text agrees with their o
 - Every chapter notebook ends with an "Exercises" section of 2-3 exercises (headed
   `### Exercise N.k: ...`, or paragraphs led by `**N.k ...**`) and has a solutions notebook,
   notebooks/solutions/chNN_solutions.ipynb, that answers each under a `## N.k` heading.
-- Chapters 2-6 each have one opt-in cell (id `qwen3-optin`) that runs the chapter's own code on
-  a real Qwen3 checkpoint when the environment variable QWEN3_DIR names one, and otherwise prints
-  that it was skipped; the committed outputs show it skipped. The executions set QWEN3_DIR to a
-  stand-in checkpoint (the bundled tiny model re-saved in bfloat16, in Hugging Face layout), so
-  these cells run in the suite: an execution fails unless its opt-in cell ran on the stand-in.
+- Chapters 2-9 each have one opt-in cell (id `qwen3-optin`, in the tutorial, not an experiment
+  notebook) that runs the chapter's own code on a real Qwen3 checkpoint when the environment
+  variable QWEN3_DIR names one, and otherwise prints that it was skipped; the committed outputs
+  show it skipped. The executions set QWEN3_DIR to a stand-in checkpoint (the bundled tiny
+  model re-saved in bfloat16, in Hugging Face layout), so these cells run in the suite: an
+  execution fails unless its opt-in cell ran on the stand-in.
 - No code cell is longer than 30 lines: a cell does one job (drawing code lives in
   notebooks/figures/, long functions are split into helpers).
 - The `[notebooks]` extra of pyproject.toml installs what opening them takes (JupyterLab, its
@@ -88,7 +89,7 @@ EXERCISES = (2, 3)  # exercises per chapter, at least and at most
 MAX_CELL_LINES = 30
 QWEN3_ENV = "QWEN3_DIR"  # the opt-in cells' switch: a local Qwen3 checkpoint directory
 OPT_IN_CELL_ID = "qwen3-optin"
-OPT_IN_CHAPTERS = (2, 3, 4, 5, 6)
+OPT_IN_CHAPTERS = (2, 3, 4, 5, 6, 7, 8, 9)  # their tutorials (TUTORIALS)
 MIN_FIGURES = {6: 8, 7: 8}  # chapter -> figures it shows at least
 # chapter -> diagrams of notebooks/figures/ its text embeds at least (the idea, drawn)
 MIN_DIAGRAMS = {2: 3, 3: 2, 4: 2, 5: 2, 8: 2, 9: 2}
@@ -343,7 +344,7 @@ def notebook_runs(request, tmp_path_factory):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_notebook_runs(path, notebook_runs, capsys):
     wall, nb = notebook_runs[path].result()  # a cell's error is raised here
-    if path.parent == NOTEBOOK_DIR and _chapter(path) in OPT_IN_CHAPTERS:
+    if path in TUTORIALS and _chapter(path) in OPT_IN_CHAPTERS:
         (cell,) = [c for c in nb.cells if c.get("id") == OPT_IN_CELL_ID]
         shown = "".join(o.get("text", "") for o in cell.outputs)
         assert shown and not shown.startswith("skipped"), f"the opt-in cell did not run: {shown}"
@@ -380,7 +381,7 @@ def opt_in_problems(nb):
 
 @pytest.mark.parametrize("chapter", OPT_IN_CHAPTERS)
 def test_chapter_has_a_skipped_opt_in_cell(chapter):
-    (path,) = [p for p in CHAPTERS if _chapter(p) == chapter]
+    path = _chapter_notebook(chapter)  # the tutorial (chapter 8's experiment notebook has none)
     problems = opt_in_problems(_read(path))
     assert not problems, f"{_name(path)}: " + "; ".join(problems)
     assert QWEN3_ENV in (NOTEBOOK_DIR / "README.md").read_text(), "README: how to turn it on"
