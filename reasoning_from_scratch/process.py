@@ -614,10 +614,9 @@ def local_state_values(rewards: Sequence[Sequence[float]],
     it none (a one-member state's value is its own return, so its steps' credits are 0).
     A completion that ends after its k-th step counts with 0 to come.
     """
-    K = max((len(r) for r in rewards), default=0)
     pools: dict[tuple[int, bool], list[float]] = {}
     for r, c in zip(rewards, correct):
-        for k in range(min(len(r), K) + 1):
+        for k in range(len(r) + 1):
             on = k == 0 or c[k - 1] > 0
             pools.setdefault((k, on), []).append(sum(r[k:]))
     return {key: sum(v) / len(v) for key, v in pools.items()}

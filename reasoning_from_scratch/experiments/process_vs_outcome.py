@@ -163,6 +163,21 @@ def _alpha_arms(suffix: str, alpha: float, color: str, placebo_color: str, shuff
     }
 
 
+def _tuned_arms(suffix: str, label: str, form: tuple, colors: tuple) -> dict:
+    """`recommended<suffix>`: outcome + RECOMMENDED_ALPHA x the step credit of `form` (scorer,
+    variant) at recommended's tuned update, and its two controls `placebo<suffix>` and
+    `shuffled<suffix>` (colours: the arm's, the placebo's, the shuffle's)."""
+    name = f"recommended{suffix}"
+    tuned = {**_recommended(RECOMMENDED_ALPHA), **TUNED_RECOMMENDED}
+    return {
+        name: Arm(label, colors[0], *form, tuned, placebo=f"placebo{suffix}"),
+        f"placebo{suffix}": Arm(f"control: {name}'s credit spread evenly over each completion",
+                                colors[1], *form, {**tuned, **FLAT}),
+        f"shuffled{suffix}": Arm(f"control: {name}'s credit shuffled among each completion's "
+                                 "steps", colors[2], *form, {**tuned, **SHUFFLED}),
+    }
+
+
 ARMS = {
     "outcome": Arm("outcome", "tab:blue"),
     "verifier": Arm("process (verifier)", "tab:green", "verifier"),
@@ -228,29 +243,13 @@ ARMS = {
                     "tab:brown", *THINK, _recommended(RECOMMENDED_ALPHA, **SHUFFLED)),
     # outcome and recommended at the update size each chose in the same search, and the
     # recommended credit's two controls at recommended's
+    "outcome-tuned": Arm("outcome, update size tuned on val", "tab:cyan", config=TUNED_OUTCOME),
+    **_tuned_arms("-tuned", "recommended, update size tuned on val", THINK,
+                  ("black", "tab:pink", "tab:brown")),
     # Progress past the first error (process.anchored_credit "progress-local"): the tuned
     # recommended form whose steps after the first error are checked on their own inputs.
-    "recommended-local-tuned": Arm("recommended-tuned, with credit past the first error",
-                                   "darkgreen", *LOCAL,
-                                   {**_recommended(RECOMMENDED_ALPHA), **TUNED_RECOMMENDED},
-                                   placebo="placebo-local-tuned"),
-    "placebo-local-tuned": Arm("control: recommended-local-tuned's credit spread evenly over "
-                               "each completion", "lightpink", *LOCAL,
-                               {**_recommended(RECOMMENDED_ALPHA, **FLAT), **TUNED_RECOMMENDED}),
-    "shuffled-local-tuned": Arm("control: recommended-local-tuned's credit shuffled among "
-                                "each completion's steps", "peru", *LOCAL,
-                                {**_recommended(RECOMMENDED_ALPHA, **SHUFFLED),
-                                 **TUNED_RECOMMENDED}),
-    "outcome-tuned": Arm("outcome, update size tuned on val", "tab:cyan", config=TUNED_OUTCOME),
-    "recommended-tuned": Arm("recommended, update size tuned on val", "black", *THINK,
-                             {**_recommended(RECOMMENDED_ALPHA), **TUNED_RECOMMENDED},
-                             placebo="placebo-tuned"),
-    "placebo-tuned": Arm("control: recommended-tuned's credit spread evenly over each "
-                         "completion", "tab:pink", *THINK,
-                         {**_recommended(RECOMMENDED_ALPHA, **FLAT), **TUNED_RECOMMENDED}),
-    "shuffled-tuned": Arm("control: recommended-tuned's credit shuffled among each "
-                          "completion's steps", "tab:brown", *THINK,
-                          {**_recommended(RECOMMENDED_ALPHA, **SHUFFLED), **TUNED_RECOMMENDED}),
+    **_tuned_arms("-local-tuned", "recommended-tuned, with credit past the first error", LOCAL,
+                  ("darkgreen", "lightpink", "peru")),
     # tiny-arith's choice: recommended as first measured there (alpha 1), and its controls
     **_alpha_arms("-tiny-arith", 1.0, "black", "tab:pink", "tab:brown", "1 (tiny-arith)"),
 }
