@@ -6,6 +6,7 @@ the job is done here (`BOOK_CHAPTER_8`), rather than a bare "cannot import name"
 """
 
 from .arithmetic import first_error_step, parse_steps, verify_steps
+from .branching import branch_advantages, first_error_states, sample_branches
 from .experiments.process_vs_outcome import (
     plot_process_vs_outcome,
     run_experiment,
@@ -47,6 +48,9 @@ __all__ = [
     "first_error_step",
     "parse_steps",
     "verify_steps",
+    "branch_advantages",
+    "first_error_states",
+    "sample_branches",
     "plot_process_vs_outcome",
     "run_experiment",
     "summarise",

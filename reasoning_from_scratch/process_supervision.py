@@ -163,7 +163,9 @@ class ProcessAdvantageFn:
     weighted by `alpha`); `"pure"` gets them only on a `verifiable_share` of the groups, spread
     evenly over the batch (PURE, arXiv 2504.15275: verifiable rewards on a small share of
     prompts). After each call `last_stats` holds the mean over groups of `step_statistics` (and
-    the scorer's cumulative cost), for metrics.csv.
+    the scorer's cumulative cost), for metrics.csv, `last_infos` each group's steps and step
+    rewards, and `last_groups` the groups themselves (the branches at the first error start
+    from them, `branching.sample_branches`).
     """
 
     def __init__(self, tokenizer, step_scorer, variant: str = "sum", split_mode: str = "tags",
@@ -188,6 +190,7 @@ class ProcessAdvantageFn:
         self.seed = seed  # of the shuffled control's permutations (`group_generator`)
         self.last_stats: dict[str, float] = {}
         self.last_infos: list[dict] = []
+        self.last_groups: list = []  # the groups of the last call (branching.py reads them)
 
     def __call__(self, groups, outcome_advantages, completion_mask) -> torch.Tensor:
         Tc = completion_mask.shape[1]
@@ -207,7 +210,7 @@ class ProcessAdvantageFn:
             padded[:, :T] = adv[:, :T]
             rows.append(padded)
             infos.append(info)
-        self.last_infos = infos
+        self.last_infos, self.last_groups = infos, list(groups)
         keys = {k for info in infos for k in info["stats"]}
         self.last_stats = {}
         for k in sorted(keys):

@@ -49,6 +49,14 @@ from dataclasses import dataclass, fields, replace
 import torch
 from tqdm import tqdm
 
+from .branching import (
+    BRANCH_CONTROLS,
+    BRANCH_MAX_NEW_TOKENS,
+    BranchConfig,
+    branch_rows,
+    sample_branches,
+    with_branch_rows,
+)
 from .checkpoints import (
     load_weights_into,
 )
@@ -142,7 +150,7 @@ METRIC_COLUMNS = [
     "skipped", "gen_tokens", "scorer_tokens", "decode_tokens", "forward_tokens", "tokens_per_s",
     "rollout_s", "update_s", "step_time", "lr", "sampling_rounds", "tis_weight_mean",
     "off_policy_mask_frac",
-    *PROCESS_COLUMNS.values(),
+    *PROCESS_COLUMNS.values(), "branch_rows", "branch_correct_rate",
     "eval_accuracy", "eval_format_rate", "eval_think_accuracy",
     "eval_step_correctness",
 ]
@@ -275,6 +283,22 @@ class GRPOConfig:
         "completion's total credit spread evenly over its tokens) | shuffled (the credits "
         "permuted among a completion's own steps); process.control_credit",
         choices=CREDIT_CONTROLS)
+    branch_rollouts: int = option(0,
+        "branches at the first error: one-step continuations sampled from each of a group's "
+        "first-error states, graded by the verifier and trained on as extra rows (0: off; "
+        "process supervision with a verifier step scorer; branching.py)",
+        rule=non_negative)
+    branch_states: int = option(2,
+        "branches: first-error states branched from per group, the most shared first",
+        rule=at_least(1))
+    branch_max_new_tokens: int = option(BRANCH_MAX_NEW_TOKENS,
+        "branches: token budget of one branch (its first step is kept; never past the "
+        "rollouts' budget)",
+        rule=at_least(1))
+    branch_control: str = option("none",
+        "branches' placebo: none | shuffled (each state's branch advantages permuted among its "
+        "branches: the same rows and cost, which branch was right lost)",
+        choices=BRANCH_CONTROLS)
     # loss
     loss_type: str = option("grpo",
         "grpo: per-sequence token mean; dapo: batch token mean; dr_grpo: sum/(B*max tokens); "
@@ -397,6 +421,22 @@ class GRPOConfig:
             raise ValueError("compile_update does not work with fsdp (its sharded blocks "
                              "gather their weights in hooks the compiled block cannot run)")
         self.report_to = report_targets(self.report_to)  # "none", names or a list -> a tuple
+        if self.branch_rollouts:
+            self._check_branches()
+
+    def _check_branches(self):
+        """Branches need what they are built from: the verifier's step rewards of one
+        sampling round, and no sampler log-probs (their rows have none)."""
+        if self.supervision != "process" or not self.step_scorer.startswith("verifier"):
+            raise ValueError("branch_rollouts needs supervision='process' with a verifier step "
+                             f"scorer, got {self.supervision!r} / {self.step_scorer!r}")
+        if self.dynamic_sampling:
+            raise ValueError("branch_rollouts does not work with dynamic_sampling (branches "
+                             "come from one sampling round)")
+        if self.tis_cap is not None or self.off_policy_mask_threshold is not None:
+            raise ValueError("branch_rollouts does not work with tis_cap or "
+                             "off_policy_mask_threshold (branch rows have no sampler "
+                             "log-probs)")
 
     @property
     def eval_tokens(self) -> int:
@@ -572,12 +612,14 @@ def prompt_lengths(tokenizer, examples, prompt_fn) -> list[int]:
 
 def update_shape(config, tokenizer, train_examples, prompt_fn) -> FixedShape:
     """The shapes the compiled update pads its micro-batches to: at most rows = the micro-batch
-    size (at most this process's rollouts of a step) and columns = the longest training prompt
-    + the token budget, in `update_buckets` row and completion-length buckets each
-    (`grpo.FixedShape`), so every step of a run, whatever its prompts' and completions'
-    lengths, uses one of at most update_buckets**2 shapes, each compiled when first met."""
+    size (at most this process's rollouts of a step and their branches) and columns = the
+    longest training prompt + the token budget, in `update_buckets` row and completion-length
+    buckets each (`grpo.FixedShape`), so every step of a run, whatever its prompts' and
+    completions' lengths, uses one of at most update_buckets**2 shapes, each compiled when
+    first met."""
     start, stop = shard_range(config.prompts_per_step)
     rows = (stop - start) * config.num_rollouts  # this process's rollouts of one step
+    rows += (stop - start) * config.branch_states * config.branch_rollouts  # and its branches
     if config.micro_batch_size:
         rows = min(rows, config.micro_batch_size)
     rows = max(1, rows)  # 0: a process whose share has no prompt (it never pads)
@@ -1126,12 +1168,43 @@ def _rollouts(model, tokenizer, examples, device, config, reward_fn, advantage_f
             break
     kept = [[share["kept"] for share in rnd] for rnd in shares]
     batch = _first_groups(batches, kept, P, G, pad_id_of(tokenizer))
-    scorer_tokens, scorer_forward = all_reduce_sum([
-        _scorer_tokens(advantage_fn) - scorer_before,
-        _scorer_tokens(advantage_fn, FORWARD_COST_KEYS) - forward_before])
+    counts = [0.0] * 5
+    if config.branch_rollouts:  # rows below the rollouts': the step's branches at first errors
+        batch, counts = _branches(model, tokenizer, batch, advantage_fn, config, device,
+                                  prompts[start:stop])
+    scorer_tokens, scorer_forward, drawn, right, rows = all_reduce_sum([
+        _scorer_tokens(advantage_fn) - scorer_before + counts[0],
+        _scorer_tokens(advantage_fn, FORWARD_COST_KEYS) - forward_before + counts[1],
+        *counts[2:]])
+    branch = {"branch_rows": int(rows), "branch_correct_rate": right / drawn if drawn else None} \
+        if config.branch_rollouts else {}
     return _with_step_statistics(batch, shares), {
         "t0": t0, "rollout_s": time.time() - t0, "sampling_rounds": len(batches),
-        "scorer_tokens": int(scorer_tokens), "scorer_forward_tokens": int(scorer_forward)}
+        "scorer_tokens": int(scorer_tokens), "scorer_forward_tokens": int(scorer_forward),
+        "branch": branch}
+
+
+def _branches(model, tokenizer, batch, advantage_fn, config, device, prompts):
+    """`batch` with the step's branches at the first error as rows below its own
+    (`branching`), and their counts: tokens sampled, tokens prefilled, branches drawn, branches
+    right, rows kept (a row per branch with an advantage). The branches start from the groups
+    the process hook just scored (`ProcessAdvantageFn.last_groups`, this step's `prompts`)."""
+    groups = getattr(advantage_fn, "last_groups", None)
+    if groups is None or [g[0] for g in groups] != list(prompts):
+        raise ValueError("branch_rollouts needs the process advantage hook of this step's "
+                         "groups (process_supervision.ProcessAdvantageFn)")
+    pad = pad_id_of(tokenizer)
+    branches, cost = sample_branches(model, tokenizer, groups, advantage_fn.last_infos,
+                                     BranchConfig(
+        k=config.branch_rollouts, max_states=config.branch_states,
+        max_new_tokens=config.branch_max_new_tokens, rollout_tokens=config.max_new_tokens,
+        temperature=config.temperature, top_p=config.top_p, alpha=config.process_alpha,
+        control=config.branch_control, split_mode=config.step_split, seed=config.seed,
+        compile=compile_decoding(config.compile, device)))
+    rows = branch_rows(branches, groups, pad, batch.input_ids.device)
+    counts = [cost["branch_generated_tokens"], cost["branch_prefill_tokens"], len(branches),
+              sum(b.correct for b in branches), 0 if rows is None else rows.size]
+    return with_branch_rows(batch, rows, pad), [float(c) for c in counts]
 
 
 def _share_summary(batch, G):
@@ -1230,7 +1303,7 @@ def _apply_update(model, optimizer, batch, config, ref_model, reward_names, step
                gen_tokens=batch.num_generated_tokens, scorer_tokens=cost["scorer_tokens"],
                decode_tokens=batch.num_generated_tokens + cost["scorer_tokens"],
                forward_tokens=_forward_tokens(batch, config, ref_model is not None)
-               + cost["scorer_forward_tokens"])
+               + cost["scorer_forward_tokens"], **cost.get("branch", {}))
     return row
 
 

@@ -181,11 +181,17 @@ def test_arm_records():
     assert (local.scorer, local.variant) == ("verifier-think-local", "progress-local")
     assert ARMS["shuffled-local-tuned"].config == {**local.config,
                                                    "process_credit_control": "shuffled"}
-    for arm in ARMS.values():  # a placebo is the same form with its credit spread evenly
-        if arm.placebo:
+    # branches at the first error: recommended-tuned's settings and 4 x 2 branches
+    branch = ARMS["recommended-branch-tuned"]
+    assert branch.config == {**tuned.config, "branch_rollouts": 4, "branch_states": 2}
+    assert (branch.scorer, branch.variant) == (tuned.scorer, tuned.variant)
+    for arm in ARMS.values():  # a placebo is the same form with its credit spread evenly,
+        if arm.placebo:        # or, for the branches, their advantages shuffled
             p = ARMS[arm.placebo]
             assert (p.scorer, p.variant) == (arm.scorer, arm.variant)
-            assert p.config == {**arm.config, "process_credit_control": "flat"}
+            control = {"branch_control": "shuffled"} if arm.config.get("branch_rollouts") \
+                else {"process_credit_control": "flat"}
+            assert p.config == {**arm.config, **control}
 
 
 def _pp(tokens, correct):

@@ -154,7 +154,7 @@ def test_ch08_control_arms_run_with_their_settings(tmp_path):
     """The controls and the new forms train end to end (2 steps), each with its own settings."""
     main = _ch08_main()
     argv = ["--arms", "outcome,outcome-format-any-w1,format-progress,placebo,shuffled,vps,pure,"
-            "recommended-local-tuned",
+            "recommended-local-tuned,placebo-branch-tuned",
             "--seeds", "0", "--eval-points", "1", "--steps", "2", "--eval-examples", "4",
             "--prompts-per-step", "2", "--num-rollouts", "3", "--max-new-tokens", "24",
             "--train-examples", "20", "--device", "cpu", "--no-progress",
@@ -182,6 +182,9 @@ def test_ch08_control_arms_run_with_their_settings(tmp_path):
                                                                 "progress-local")
     assert (local["process_local_weight"], local["inner_epochs"]) == (0.5, 2)
     assert "process_local_weight" not in settings("placebo")  # only progress-local reads it
+    branch = settings("placebo-branch-tuned")  # branches at the first error, shuffled
+    assert (branch["branch_rollouts"], branch["branch_control"]) == (4, "shuffled")
+    assert "branch_rollouts" not in settings("placebo")  # runs without branches stay reusable
     rows = {r["arm"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
     # the belief probes are read, not sampled: forward tokens, not the scorer's decode tokens
     assert rows["vps"]["scorer_tokens"]["mean"] == rows["placebo"]["scorer_tokens"]["mean"] == 0

@@ -122,7 +122,9 @@ class Arm:
     scorer: str | None = None
     variant: str | None = None  # process variant; None: --process-variant
     config: dict = field(default_factory=dict)  # GRPOConfig values that differ from the flags
-    placebo: str | None = None  # the arm that spreads this arm's credit evenly (its control)
+    # its placebo control: the same arm without the part credited for its gain (its step
+    # credit spread evenly over each completion; the branches' advantages shuffled)
+    placebo: str | None = None
 
 
 def _recommended(alpha: float, **extra) -> dict:
@@ -146,6 +148,9 @@ TUNED_RECOMMENDED = {"lr": 1e-4, "inner_epochs": 2, "loss_type": "grpo"}
 THINK = ("verifier-think", "progress")  # outcome + progress credit of the think-only verifier
 LOCAL = ("verifier-think-local", "progress-local")  # ... with credit past the first error
 FLAT, SHUFFLED = {"process_credit_control": "flat"}, {"process_credit_control": "shuffled"}
+# Branches at the first error (branching.py): 4 one-step continuations from each of a group's
+# two most shared first-error states, fixed before any run.
+BRANCHES = {"branch_rollouts": 4, "branch_states": 2}
 
 
 def _alpha_arms(suffix: str, alpha: float, color: str, placebo_color: str, shuffled_color: str,
@@ -250,6 +255,17 @@ ARMS = {
     # recommended form whose steps after the first error are checked on their own inputs.
     **_tuned_arms("-local-tuned", "recommended-tuned, with credit past the first error", LOCAL,
                   ("darkgreen", "lightpink", "peru")),
+    # Branches at the first error (branching.py) on top of the tuned recommended form, and
+    # their placebo: the same rows and cost, each state's branch advantages shuffled among its
+    # branches (which branch was right is lost).
+    "recommended-branch-tuned": Arm("recommended-tuned, with branches at the first error",
+                                    "darkorange", *THINK, {**_recommended(RECOMMENDED_ALPHA),
+                                                           **TUNED_RECOMMENDED, **BRANCHES},
+                                    placebo="placebo-branch-tuned"),
+    "placebo-branch-tuned": Arm("control: recommended-branch-tuned's branch advantages "
+                                "shuffled among each state's branches", "navajowhite", *THINK,
+                                {**_recommended(RECOMMENDED_ALPHA), **TUNED_RECOMMENDED,
+                                 **BRANCHES, "branch_control": "shuffled"}),
     # tiny-arith's choice: recommended as first measured there (alpha 1), and its controls
     **_alpha_arms("-tiny-arith", 1.0, "black", "tab:pink", "tab:brown", "1 (tiny-arith)"),
 }
@@ -260,14 +276,16 @@ BOOTSTRAP = {"n_boot": 2000, "seed": 0, "level": 0.95}
 
 
 def placebo_of(arm: str) -> str | None:
-    """The placebo control of an arm (its credit spread evenly over each completion's
-    tokens), or None."""
+    """The placebo control of an arm, or None: the same arm without the part credited for its
+    gain (its step credit spread evenly over each completion's tokens; the branches at the
+    first error with their advantages shuffled among each state's branches)."""
     return ARMS[arm].placebo
 
 
 # Held-out figures of every evaluated checkpoint (keys of evaluate()'s summary; may be None).
 METRICS = ("accuracy", "step_correctness", "right_answer_wrong_step", "think_accuracy",
            "format_rate")
+BRANCH_FIELDS = ("branch_rollouts", "branch_states", "branch_max_new_tokens", "branch_control")
 # GRPOConfig fields the experiment sets for every run; their flags must stay at the default.
 PER_RUN = {"seed": "--seeds sets each run's seed", "supervision": "each arm sets it",
            "step_scorer": "each arm sets it", "eval_every": "see --eval-points",
@@ -276,7 +294,7 @@ PER_RUN = {"seed": "--seeds sets each run's seed", "supervision": "each arm sets
 COSMETIC = ("output_dir", "progress", "eval_batch_size", "report_to", "sample_every",
             "checkpoint_minutes", "keep_checkpoints", "stop_signals")
 PROCESS_FIELDS = ("step_scorer", "process_variant", "step_split", "mc_rollouts", "process_alpha",
-                  "process_credit_control", "process_local_weight")
+                  "process_credit_control", "process_local_weight", *BRANCH_FIELDS)
 
 
 @dataclass
@@ -350,6 +368,9 @@ def _run_settings(config, args, prm_report=None):
         s.pop("process_credit_control")  # runs from before the controls existed stay reusable
     if s.get("process_variant") != "progress-local":
         s.pop("process_local_weight", None)  # only progress-local reads it
+    if not s.get("branch_rollouts"):
+        for k in BRANCH_FIELDS:  # runs from before the branches existed stay reusable
+            s.pop(k, None)
     s.update(model=args.model, eval_split=args.eval_split, train_examples=args.train_examples,
              train_level_weights=args.train_level_weights)
     if config.supervision == "process" and config.step_scorer.split(":")[0] in (
@@ -850,8 +871,9 @@ def _interval_table(summary):
               "compared with (on the seeds both have). Step correctness: verified steps / all "
               "steps over the resampled problems, per seed. Accuracy at outcome's decode tokens: "
               "each problem's outcome interpolated between the checkpoints around the budget, "
-              "the budget held fixed. Placebo: the arm's credit spread evenly over each "
-              "completion's tokens (`placebo_of`)."]
+              "the budget held fixed. Placebo (`placebo_of`): the arm's credit spread evenly over "
+              "each completion's tokens; for the branches at the first error, their advantages "
+              "shuffled among each state's branches."]
     return lines
 
 
