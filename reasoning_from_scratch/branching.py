@@ -113,12 +113,16 @@ def branch_step_tokens(tokenizer, prefix_ids: Sequence[int], branch_ids: Sequenc
     (`process.completion_steps`); the branch's first step is step `step` (the prefix holds
     `step` steps). It ends the text when it is the last step of a finished branch (EOS) or
     holds the answer (`</think>`, a boxed answer): then the verifier grades the answer too.
+    A branch that starts no step of its own (its text joins the prefix's last step, or it is
+    only an EOS) gets no step texts, and no grade above 0.
     """
     ids = [int(t) for t in prefix_ids] + [int(t) for t in branch_ids]
     text = _text(tokenizer, ids, truncated)
     steps, ends = completion_steps(tokenizer, torch.tensor(ids), len(ids), text, truncated,
                                    split_mode, pattern)
     n = len(branch_ids)
+    if len(steps) <= step:  # no step of its own: the prefix's last step would be graded
+        return n, [], False
     if len(ends) > step + 1:
         n = int(ends[step]) + 1 - len(prefix_ids)
     n = max(1, min(n, len(branch_ids)))

@@ -89,6 +89,11 @@ def test_branch_step_tokens_cut_after_the_first_step(think_model):
     whole = tok.encode(" <think>\nStep 1: 16-8=8\nStep 2: 8*7=56\nStep 3: 56-6=50\n")
     n, steps, final = branch_step_tokens(tok, whole, answer, truncated=False, step=3)
     assert n == len(answer) and final and steps[-1] == "</think>\n\\boxed{50}"
+    # a branch that writes no step of its own is not graded on the prefix's last step
+    for tail, trunc in ((tok.encode(" and so on"), True), ([eos], False)):
+        n, steps, final = branch_step_tokens(tok, prefix, tail, truncated=trunc, step=1)
+        assert (n, steps, final) == (len(tail), [], False)
+        assert grade_branch_step(steps, EXAMPLE, final) == 0.0
 
 
 def test_grade_branch_step_by_hand():
