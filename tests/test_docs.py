@@ -12,6 +12,7 @@
 """
 
 import argparse
+import json
 import re
 import runpy
 import shlex
@@ -191,3 +192,47 @@ def test_documented_commands_parse(monkeypatch, capsys):
                 failures.append(f"{page.name}: {script} {arguments}: {error}")
     assert failures == []
     assert parsed > 80, parsed  # the README and docs show about 90 such commands
+
+
+def _table_row(text, first_cell):
+    """The cells of the first markdown table row of `text` whose first cell is `first_cell`."""
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] == first_cell:
+            return cells
+    raise AssertionError(f"no table row {first_cell!r}")
+
+
+def _mean_sd(cell):
+    """'0.423 ± 0.015' (bold or not) -> (0.423, 0.015)."""
+    mean, sd = cell.strip("*").split("±")
+    return float(mean), float(sd)
+
+
+def test_grpo_results_json_matches_the_tables():
+    """docs/grpo_results.json (read by the chapter 7 and 8 notebooks) holds the figures of the
+    tables of docs/grpo_variants.md and docs/grpo.md, transcribed: the two cannot drift."""
+    runs = json.loads((ROOT / "docs" / "grpo_results.json").read_text())["runs"]
+    for name, page, base_row, run_row, column, budget in (
+        ("grpo_variants_chapter7_default", "grpo_variants.md", "base model",
+         "chapter 7 default (grpo loss)", 2, r"(\d+) steps x (\d+) prompts x (\d+) rollouts"),
+        ("ch07_train_default", "grpo.md", "base model", "**mean ± sd**", 1,
+         r"(\d+) steps × (\d+) prompts × (\d+) rollouts"),
+    ):
+        run, text = runs[name], (ROOT / "docs" / page).read_text()
+        assert page in run["source"]
+        assert float(_table_row(text, base_row)[column]) == run["base_accuracy"]
+        assert _mean_sd(_table_row(text, run_row)[column]) == (run["accuracy"],
+                                                               run["accuracy_sd"])
+        steps, prompts, rollouts = map(int, re.search(budget, text).groups())
+        assert (steps, prompts, rollouts) == (run["steps"], run["prompts_per_step"],
+                                              run["rollouts"])
+        assert re.search(rf"\b{run['held_out_problems']} (?:held-out )?(?:test )?problems",
+                         text)
+        assert run["command"].split(" --")[0] in text
+    train = runs["ch07_train_default"]
+    assert [int(_table_row(text, s)[0].split()[0])
+            for s in ("123 (default)", "1", "2")] == train["seeds"]
+    readme = (ROOT / "README.md").read_text()
+    assert (f"{train['base_accuracy']:.3f} -> **{train['accuracy']:.3f} ± "
+            f"{train['accuracy_sd']:.3f}**") in readme
