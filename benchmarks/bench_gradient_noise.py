@@ -54,6 +54,9 @@ def advantage_fn_of(arm, tokenizer, seed):
     if spec.scorer.startswith(("prm", "online-prm", "mc")):
         raise SystemExit(f"{arm}: only arms without a model of their own (verifier scorers) "
                          "are measured here")
+    if spec.config.get("branch_rollouts"):
+        raise SystemExit(f"{arm}: its branches at the first error are extra rows of the batch, "
+                         "which this benchmark does not build (it measures the credit alone)")
     return make_process_advantage_fn(
         tokenizer, spec.scorer, spec.variant, alpha=spec.config.get("process_alpha", 1.0),
         credit_control=spec.config.get("process_credit_control", "none"), seed=seed,

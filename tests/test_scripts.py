@@ -361,6 +361,9 @@ def test_bench_gradient_noise_tiny_run():
         assert s["mean_norm"] <= s["batch_norm"] + 1e-9
     assert stats["outcome"]["cosine_outcome"] == pytest.approx(1.0) or \
         stats["outcome"]["mean_norm"] == 0
+    # the branches are rows of their own, not a credit: refused, not measured without them
+    with pytest.raises(SystemExit, match="branches"):
+        main(["--batches", "2", "--arms", "recommended-branch-tuned", "--device", "cpu"])
 
 
 def test_bench_inference_scaling_tiny_run():
