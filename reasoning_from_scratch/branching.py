@@ -32,7 +32,6 @@ update's passes over the rows are counted with the batch (`training._forward_tok
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from collections.abc import Sequence
@@ -43,6 +42,7 @@ import torch
 from .generation import branch_continuations, stop_token_ids
 from .grpo import RolloutBatch, concat_rollout_batches, group_advantages, pack_rollouts
 from .process import ANSWER_PATTERNS, completion_steps, prefix_correct
+from .process_supervision import group_digest
 from .step_scorers import VerifierStepScorer
 
 BRANCH_CONTROLS = ("none", "shuffled")
@@ -176,15 +176,10 @@ def branch_advantages(correct: Sequence[float], right: int = 0, wrong: int = 1,
 
 
 def _group_seed(seed: int, rollouts) -> int:
-    """A sampling seed from the run's seed and the group's own tokens (as the placebo's
-    `process_supervision.group_generator`): the same branches however the groups are split
-    over processes, and after a resume."""
-    h = hashlib.sha256(f"branches|{seed}".encode())
-    h.update(rollouts.prompt_ids.cpu().numpy().astype("int64").tobytes())
-    for g, n in enumerate(rollouts.lengths.tolist()):
-        h.update(b"|" + rollouts.completion_ids[g, : int(n)].cpu().numpy().astype("int64")
-                 .tobytes())
-    return int(h.hexdigest()[:15], 16)
+    """A sampling seed from the run's seed and the group's own tokens
+    (`process_supervision.group_digest`): the same branches however the groups are split over
+    processes, and after a resume."""
+    return int(group_digest(f"branches|{seed}", rollouts)[:15], 16)
 
 
 @dataclass
@@ -230,6 +225,7 @@ def sample_branches(model, tokenizer, groups, infos, config: BranchConfig
     """
     out: list[Branch] = []
     cost = {"branch_generated_tokens": 0, "branch_prefill_tokens": 0, "branch_states": 0}
+    device = next(model.parameters()).device
     for n, (group, info) in enumerate(zip(groups, infos)):
         example, ro = group[0], group[1]
         states = first_error_states(info["step_rewards"], info["step_ends"], ro.completion_ids,
@@ -241,7 +237,6 @@ def sample_branches(model, tokenizer, groups, infos, config: BranchConfig
         seqs = [ro.full_ids(g).tolist() for g in range(len(ro))]
         P = ro.prompt_len
         cuts = [(s.completion, P + s.cut) for s in states for _ in range(config.k)]
-        device = next(model.parameters()).device
         gen = torch.Generator(device).manual_seed(_group_seed(config.seed, ro))
         was_training = model.training
         model.eval()

@@ -138,20 +138,26 @@ def process_token_advantages(
     return adv, {"steps": steps, "step_rewards": rewards, "step_ends": ends, "stats": stats}
 
 
+def group_digest(key: str, rollouts) -> str:
+    """A hex digest of `key` and one group's own tokens (prompt and each completion's real
+    tokens, padding excluded): a seed that depends on the group alone, not on its place."""
+    h = hashlib.sha256(key.encode())
+    h.update(rollouts.prompt_ids.cpu().numpy().astype("int64").tobytes())
+    for g, n in enumerate(rollouts.lengths.tolist()):
+        h.update(b"|" + rollouts.completion_ids[g, : int(n)].cpu().numpy().astype("int64")
+                 .tobytes())
+    return h.hexdigest()
+
+
 def group_generator(seed: int, rollouts) -> random.Random:
     """A `random.Random` for one group's placebo permutations, seeded by the run's `seed` and the
-    group's own tokens (prompt and each completion's real tokens, padding excluded).
+    group's own tokens (`group_digest`).
 
     The rollouts are themselves seeded by (seed, step, prompt index) (`training.rollout_seed`),
     so the permutations are a function of (seed, step, prompt) as well: a resumed run, or the
     same run on N processes, draws the same ones, whatever order the groups are scored in.
     """
-    h = hashlib.sha256(str(seed).encode())
-    h.update(rollouts.prompt_ids.cpu().numpy().astype("int64").tobytes())
-    for g, n in enumerate(rollouts.lengths.tolist()):
-        h.update(b"|" + rollouts.completion_ids[g, : int(n)].cpu().numpy().astype("int64")
-                 .tobytes())
-    return random.Random(h.hexdigest())
+    return random.Random(group_digest(str(seed), rollouts))
 
 
 class ProcessAdvantageFn:
