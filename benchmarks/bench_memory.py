@@ -156,7 +156,10 @@ def _available_bytes() -> int | None:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:  # one case, in a process run_case started
-        print(CASE_LINE + json.dumps(worker(json.loads(argv[1]))), flush=True)
+        # one write of the whole line: torchrun's processes share the pipe, and a print's
+        # separate write of its newline let two result lines run together
+        sys.stdout.write(CASE_LINE + json.dumps(worker(json.loads(argv[1]))) + "\n")
+        sys.stdout.flush()
         return None
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
