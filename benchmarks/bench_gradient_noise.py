@@ -37,11 +37,11 @@ from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.experiments.process_vs_outcome import ARMS
 from reasoning_from_scratch.experiments.stats import gradient_noise
 from reasoning_from_scratch.grading import grade_answer
-from reasoning_from_scratch.grpo import LOSS_TYPES, collect_rollouts, grpo_loss_on_batch
+from reasoning_from_scratch.grpo import LOSS_TYPES, collect_rollouts
 from reasoning_from_scratch.process import LOCAL_STEP_WEIGHT
 from reasoning_from_scratch.process_supervision import make_process_advantage_fn
 from reasoning_from_scratch.rewards import build_reward
-from reasoning_from_scratch.training import DEFAULT_TRAIN_LEVEL_WEIGHTS
+from reasoning_from_scratch.training import DEFAULT_TRAIN_LEVEL_WEIGHTS, grpo_loss_on_batch
 from reasoning_from_scratch.validation import arg_type, at_least, choice_list, positive_int
 from reasoning_from_scratch.weights import load_pretrained
 

@@ -16,8 +16,8 @@ Not a test: numbers depend on the machine.
     python benchmarks/bench_grpo_step.py --paths ours compiled-update --warmup 2
 
 "compiled-update" is ours with the update's decoder blocks compiled: the reference's log-prob
-pass and the update pad the batch to one shape (`grpo.FixedShape`: prompts x G rows, the
-longest prompt + the token budget) and run the blocks through `grpo.compiled_block`; its
+pass and the update pad the batch to one shape (`compiled_update.FixedShape`: prompts x G rows, the
+longest prompt + the token budget) and run the blocks through `compiled_update.compiled_block`; its
 warm-up compiles them (with and without gradients). On a shared machine the paths, timed one
 after the other, see different loads; `--interleave-update N` instead times the reference's
 log-probs + the update on one fixed batch, eager and compiled in turn, N times each, in wall
@@ -48,14 +48,13 @@ from reasoning_from_scratch.cli.arguments import (
     add_threads_argument,
     set_threads,
 )
+from reasoning_from_scratch.compiled_update import FixedShape
 from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.generation import sample_response
 from reasoning_from_scratch.grpo import (
-    FixedShape,
     batch_logprobs,
     collect_rollouts,
     compute_advantage_stats,
-    grpo_loss_on_batch,
     sequence_logprob,
 )
 from reasoning_from_scratch.prompts import render_prompt
@@ -67,6 +66,7 @@ from reasoning_from_scratch.rewards import (
     correctness_reward,
 )
 from reasoning_from_scratch.tiny_world import TINY_ARITH_ARCH
+from reasoning_from_scratch.training import grpo_loss_on_batch
 from reasoning_from_scratch.validation import non_negative_int, positive_int
 
 PROBLEMS = [{"problem": f"{a}+{b}*{c}", "answer": str(a + b * c)}

@@ -4,7 +4,7 @@ Measured with and without activation checkpointing, with the update's time besid
 
 Each case runs in a fresh process (its peak resident set size is its own): a random
 Qwen3-0.6B-shaped model in float32 (the CPU's dtypes), the reference a deep copy of what samples
-(beta > 0), AdamW; then, as a run goes, `training._update` on a fixed batch, a rollout phase
+(beta > 0), AdamW; then, as a run goes, `training.update` on a fixed batch, a rollout phase
 (a KV cache of the rollout rows prefilled by the sampler, no gradients), and a second update
 (now beside the first one's gradients and AdamW moments). The peak is the maximum resident set
 size above what the process held after its imports; "predicted" is
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from reasoning_from_scratch import distributed, fsdp, training
+from reasoning_from_scratch import distributed, fsdp, systems, training
 from reasoning_from_scratch.grpo import RolloutBatch
 from reasoning_from_scratch.memory import GB, memory_per_process
 from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, KVCache, Qwen3Model, tiny_config
@@ -93,14 +93,14 @@ def worker(spec) -> dict:
     batch = fixed_batch(cfg, spec["rows"], spec["prompt"], spec["answer"])
     config = training.GRPOConfig(micro_batch_size=spec["rows"], chunk_size=spec["chunk_size"],
                                  beta=0.04 if ref is not None else 0.0, progress=False)
-    ref_logp = None if ref is None else training._logprobs_no_grad(ref, batch, config)
+    ref_logp = None if ref is None else systems.general_logprobs(ref, batch, config)
     kv_ids = torch.randint(0, cfg.vocab_size, (spec["kv_rows"], spec["kv_tokens"]),
                            generator=torch.Generator().manual_seed(1))
     seconds, cpu_seconds = [], []
     for phase in ("update", "rollouts", "update"):
         if phase == "update":
             start, cpu_start = time.perf_counter(), time.process_time()
-            stats = training._update(model, optimizer, batch, None, ref_logp, config)
+            stats = systems.general_update(model, optimizer, batch, None, ref_logp, config)
             seconds.append(time.perf_counter() - start)
             cpu_seconds.append(time.process_time() - cpu_start)
             assert not stats["skipped"]

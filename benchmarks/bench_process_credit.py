@@ -35,13 +35,14 @@ from reasoning_from_scratch.cli.arguments import (
 from reasoning_from_scratch.datasets import load_dataset_by_name
 from reasoning_from_scratch.device import get_device
 from reasoning_from_scratch.grading import grade_answer
-from reasoning_from_scratch.grpo import collect_rollouts, grpo_loss_on_batch
+from reasoning_from_scratch.grpo import collect_rollouts
 from reasoning_from_scratch.process import VARIANTS
 from reasoning_from_scratch.process_supervision import (
     build_step_scorer,
     make_process_advantage_fn,
 )
 from reasoning_from_scratch.rewards import TimedReward, build_reward
+from reasoning_from_scratch.training import grpo_loss_on_batch
 from reasoning_from_scratch.validation import non_negative_int, positive_int
 from reasoning_from_scratch.weights import load_pretrained
 

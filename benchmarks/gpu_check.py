@@ -14,14 +14,14 @@ the order they run (`--budget-s`, below):
    speed figures after it are then not results.
 1. grpo, at `--prompts` x G = `--num-rollouts` x the first of `--grpo-tokens` new tokens
    (16 x 8 x 256) on a random Qwen3-0.6B: steps of the training loop itself, each the two
-   calls of a `train_grpo` step (`training._rollouts`, then `training._apply_update` with the
+   calls of a `train_grpo` step (`training.Step`'s stages, then `training.update_stage` with the
    sampler refresh), with the sampler copy and the compiled update's shape that `train_grpo`
-   builds (`training.sampling_replica`, `training.update_shape`), in three setups:
+   builds (`systems.sampling_replica`, `systems.update_shape`), in three setups:
    `cuda-default`, what a CUDA run gets from the default flags: float32 master weights,
    gradients and AdamW state, rollouts sampled from a bfloat16 copy (`--sampler-dtype auto`),
    the update's forward passes under bfloat16 autocast (`--autocast auto`), the update's
-   decoder blocks compiled at one padded shape (`--compile-update`: `grpo.FixedShape`,
-   `grpo.compiled_block`) and the decode step compiled; `eager-update`, the same with
+   decoder blocks compiled at one padded shape (`--compile-update`: `compiled_update.FixedShape`,
+   `compiled_update.compiled_block`) and the decode step compiled; `eager-update`, the same with
    `--no-compile-update`; `bf16-weights`, the setup measured before: the whole model in
    bfloat16 (`--dtype bfloat16`) sampling itself, no autocast, the update eager. Every group
    enters the update (`skip_zero_advantage` off; the reward, the fraction of even token ids,
@@ -101,8 +101,8 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from bench_fsdp import measure_startup
@@ -111,24 +111,27 @@ from bench_grpo_step import PROBLEMS, NoEosTokenizer, even_fraction
 
 from reasoning_from_scratch.cli.arguments import add_seed_argument
 from reasoning_from_scratch.compile_check import check_decoding, check_logprobs
+from reasoning_from_scratch.compiled_update import FixedShape
 from reasoning_from_scratch.files import atomic_write_json
-from reasoning_from_scratch.generation import generate
-from reasoning_from_scratch.grpo import FixedShape
+from reasoning_from_scratch.fsdp import refresh_replica
+from reasoning_from_scratch.generation import compile_decoding, generate
 from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.qwen3 import QWEN3_0_6B_CONFIG, Qwen3Config, Qwen3Model, tiny_config
 from reasoning_from_scratch.rewards import CompositeReward, RewardTerm
 from reasoning_from_scratch.run_log import read_metrics
-from reasoning_from_scratch.training import (
-    GRPOConfig,
-    _apply_update,
-    _rollouts,
+from reasoning_from_scratch.systems import (
     compiles_update,
+    general_logprobs,
+    general_rollout_stage,
+    general_update,
     sampler_dtype,
     sampling_replica,
     update_autocast,
     update_shape,
 )
+from reasoning_from_scratch.training import GRPOConfig, Step, update_stage
 from reasoning_from_scratch.validation import choice_list, positive_float, positive_int
+from reasoning_from_scratch.variants import loss_function
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -143,8 +146,8 @@ QWEN3_1_7B_CONFIG = Qwen3Config(
     max_position_embeddings=40960, tie_word_embeddings=True, torch_dtype="bfloat16")
 TINY = tiny_config(vocab_size=512)
 # The GRPO setups: the weights' dtype and the GRPOConfig fields that make each. cuda-default's
-# sampler and autocast dtypes are what "auto" picks on CUDA (training.sampler_dtype,
-# training.autocast_dtype), written out so that the CPU run takes the same code path.
+# sampler and autocast dtypes are what "auto" picks on CUDA (systems.sampler_dtype,
+# systems.autocast_dtype), written out so that the CPU run takes the same code path.
 GRPO_SETUPS = {
     "cuda-default": {"dtype": "float32", "sampler_dtype": "bfloat16", "autocast": "bfloat16",
                      "compile_update": True},
@@ -305,39 +308,41 @@ def grpo_config(setup: str, new_tokens: int, args, beta: float = 0.0) -> GRPOCon
 
 
 def build_step_run(model_cfg: Qwen3Config, setup: str, config: GRPOConfig, device):
-    """What `train_grpo` builds before its first step, for a random model: the trained model
-    in the setup's dtype, its sampling copy, the frozen reference (beta > 0; kept in memory,
-    where a run also writes it to disk), AdamW, and the compiled update's shape. Returns a
-    namespace that `training_step` takes."""
+    """What `train_grpo` builds before its first step, for a random model: a `training.Step`
+    with the trained model in the setup's dtype, its sampling copy, the frozen reference (beta >
+    0; kept in memory, where a run also writes it to disk), AdamW, and the systems layer's
+    general stages with the compiled update's shape (systems.py)."""
     torch.manual_seed(config.seed)
     model = random_model(model_cfg, device, getattr(torch, GRPO_SETUPS[setup]["dtype"]))
     tokenizer = NoEosTokenizer(model_cfg.vocab_size)
-    return SimpleNamespace(
-        model=model, config=config, device=device, tokenizer=tokenizer,
-        sampler=sampling_replica(model, device, sampler_dtype(config, device)),
-        ref=copy.deepcopy(model).eval().requires_grad_(False) if config.beta else None,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=config.lr,
-                                    weight_decay=config.weight_decay),
-        reward=CompositeReward([RewardTerm("even", even_fraction)]),
-        fixed_shape=update_shape(config, tokenizer, PROBLEMS, render_prompt)
-        if compiles_update(config, device) else None)
+    sampler = sampling_replica(model, device, sampler_dtype(config, device))
+    shape = update_shape(config, tokenizer, PROBLEMS, render_prompt) \
+        if compiles_update(config, device) else None
+    reward = CompositeReward([RewardTerm("even", even_fraction)])
+    return Step(
+        model, torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                 weight_decay=config.weight_decay),
+        model if sampler is None else sampler, tokenizer, PROBLEMS, device, config, reward,
+        reward.names, render_prompt, loss_function(config),
+        ref_model=copy.deepcopy(model).eval().requires_grad_(False) if config.beta else None,
+        compiled_decoding=compile_decoding(config.compile, device),
+        rollouts=general_rollout_stage, update=partial(general_update, fixed_shape=shape),
+        logprobs=partial(general_logprobs, fixed_shape=shape),
+        after_update=None if sampler is None else partial(refresh_replica, sampler))
 
 
 def training_step(run, step: int) -> dict:
     """Step `step` of `train_grpo`'s loop on `run` (`build_step_run`): the rollouts, rewards and
-    advantages (`training._rollouts`, from the sampler), then the update with the sampler's
-    refresh (`training._apply_update`); no logging, evaluation or checkpoint. Returns the
-    seconds of each phase (the device synchronised) and the step's figures."""
+    advantages (`run.rollouts`, from the sampler), then the update with the sampler's refresh
+    (`training.update_stage`); no logging, evaluation or checkpoint. Returns the seconds of each
+    phase (the device synchronised) and the step's figures."""
     dev = torch.device(run.device)
-    policy = run.model if run.sampler is None else run.sampler
     sync(dev)
     t0 = time.perf_counter()
-    batch, cost = _rollouts(policy, run.tokenizer, PROBLEMS, run.device, run.config,
-                            run.reward, None, render_prompt, step)
+    batch, cost = run.rollouts(run, step)
     sync(dev)
     t1 = time.perf_counter()
-    row = _apply_update(run.model, run.optimizer, batch, run.config, run.ref, run.reward.names,
-                        step, cost, lambda phase, step: None, run.sampler, run.fixed_shape)
+    row = update_stage(run, batch, step, cost, lambda phase, step: None)
     sync(dev)
     t2 = time.perf_counter()
     mask = batch.attention_mask  # None: no padding anywhere

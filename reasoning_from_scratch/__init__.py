@@ -13,12 +13,7 @@ from .distillation_training import DistillConfig, train_distillation
 from .evaluation import evaluate
 from .generation import generate, sample_response, sample_rollouts
 from .grading import extract_final_candidate, grade_answer, reward_rlvr
-from .grpo import (
-    clipped_policy_loss,
-    compute_advantage_stats,
-    compute_grpo_loss,
-    sequence_logprob_and_entropy,
-)
+from .grpo import compute_advantage_stats, sequence_logprob_and_entropy
 from .inference_scaling import best_of_n, majority_vote, self_consistency_vote
 from .plotting import plot_grpo_metrics
 from .prm import ProcessRewardModel, train_prm
@@ -30,7 +25,8 @@ from .rewards import reward_format
 from .search import self_refinement_loop, step_beam_search
 from .sft import train_sft
 from .tokenizer import Qwen3Tokenizer
-from .training import GRPOConfig, train_grpo
+from .training import GRPOConfig, compute_grpo_loss, train_grpo
+from .variants import clipped_policy_loss
 from .weights import load_pretrained, save_pretrained
 
 __all__ = [

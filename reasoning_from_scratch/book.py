@@ -574,7 +574,7 @@ def compute_grpo_loss(model, tokenizer, example, device, num_rollouts=2, max_new
     loss is -mean(advantage x log-prob). Returns loss, pg_loss (floats, equal: no KL term in
     chapter 6), loss_tensor (backpropagate this), rewards, advantages and samples (text,
     reward, gen_len). This package's batched loss with clipping, KL and the chapter 7 options
-    is `grpo.compute_grpo_loss`.
+    is `training.compute_grpo_loss`.
     """
     if num_rollouts < 2:
         raise ValueError(f"num_rollouts must be >= 2 (advantages compare rollouts), "

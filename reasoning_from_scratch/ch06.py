@@ -1,7 +1,7 @@
 """Chapter 6 index: plain GRPO (rollouts, correctness reward, advantages; imports only, and the
 line that makes it a `book.BookIndex`). Also the book's names for this chapter;
 `sample_response` and `compute_grpo_loss` are the book's, one rollout at a time (this package's
-batched ones: `generation.sample_response`, `grpo.compute_grpo_loss`; the full training loop:
+batched ones: `generation.sample_response`, `training.compute_grpo_loss`; the full training loop:
 `train_grpo`; docs/book_compatibility.md)."""
 
 import sys

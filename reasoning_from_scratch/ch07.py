@@ -1,6 +1,6 @@
 """Chapter 7 index: improving GRPO (format reward, clipping, KL, entropy; imports only, and the
 line that makes it a `book.BookIndex`). Also the book's names for this chapter. The loss with
-clipping, KL and entropy for one prompt is `grpo.compute_grpo_loss` (also at the top level;
+clipping, KL and entropy for one prompt is `training.compute_grpo_loss` (also at the top level;
 `compute_grpo_loss` in the indexes is the book's chapter 6 loss); docs/book_compatibility.md."""
 
 import sys
@@ -14,7 +14,6 @@ from .generation import sample_rollouts
 from .grading import reward_rlvr
 from .grpo import (
     aggregate_loss,
-    clipped_policy_loss,
     clipped_surrogate,
     compute_advantage_stats,
     k3_kl,
@@ -27,6 +26,7 @@ from .prompts import render_prompt_with_think_tokens
 from .rewards import reward_format
 from .tokenizer import END_THINK_TOKEN_ID, THINK_TOKEN_ID
 from .training import GRPOConfig, train_grpo
+from .variants import clipped_policy_loss
 
 __all__ = [
     "plot_grpo_metrics",

@@ -130,9 +130,10 @@ def stop_reason(stop: KeyboardInterrupt) -> str:
 class InterruptFlag:
     """Set by `record_interrupts`'s handler: a Ctrl-C or stop signal that was not raised."""
 
-    def __init__(self):
+    def __init__(self, agreed: bool = False):
         self.received = False
         self.signum = 0  # the first signal recorded (0: none)
+        self.agreed = agreed  # several processes: a stop is agreed on before anyone raises
 
     def set(self, signum=signal.SIGINT, frame=None):
         """The signal handler: remember the signal."""
@@ -212,7 +213,7 @@ def record_interrupts(enabled: bool = True, signals: str = ""):
     """Yield an `InterruptFlag` that SIGINT and the stop `signals` set for the whole block,
     raising nothing; the caller decides where to stop. With `enabled=False` (one process)
     Ctrl-C raises as usual and the stop signals raise StopSignal (`stop_signals_raise`)."""
-    flag = InterruptFlag()
+    flag = InterruptFlag(agreed=enabled)
     if not _main_thread():
         yield flag
         return

@@ -8,9 +8,9 @@ code; `memory_per_process` adds them up in the dtypes the code uses (`run_dtypes
 
 - weights, gradients, AdamW moments: the master weights' dtype (`--dtype`, float32 by default),
   whole when replicated, 1/N sharded (ZeRO stage 3, Rajbhandari et al., arXiv:1910.02054).
-- sampler: the sampling dtype (`training.sampler_dtype`: bf16 on CUDA, the master dtype on the
+- sampler: the sampling dtype (`systems.sampler_dtype`: bf16 on CUDA, the master dtype on the
   CPU); the replicated path samples with the weights it trains when the two dtypes agree (no
-  copy) and keeps a copy in the sampling dtype otherwise (`training.sampling_replica`); the
+  copy) and keeps a copy in the sampling dtype otherwise (`systems.sampling_replica`); the
   sharded path always has its unsharded replica.
 - reference (beta > 0): a deep copy of the whole trained weights (`training._reference_model`):
   the master weights when replicated, the replica when sharded.
@@ -83,11 +83,11 @@ def run_dtypes(sharded: bool, device: str = "cuda", master_bytes: int = 4) -> di
     """Bytes per element of what a run holds, as the code chooses them.
 
     master: the trained weights, their gradients and AdamW moments (`--dtype`: 4 by default).
-    sample: what samples (`training.sampler_dtype`'s auto: bf16 on CUDA, the master dtype on
+    sample: what samples (`systems.sampler_dtype`'s auto: bf16 on CUDA, the master dtype on
     the CPU) and its KV cache. reference: the copy of the whole trained weights: the master
     dtype when replicated, the replica's when sharded. compute: the update's activations and
     gathered weights: bf16 on CUDA (autocast when replicated, FSDP's `mixed_precision` when
-    sharded: `training.autocast_dtype`); otherwise the master dtype.
+    sharded: `systems.autocast_dtype`); otherwise the master dtype.
     """
     low = 2 if device == "cuda" else master_bytes
     return {"master": master_bytes, "sample": low, "reference": low if sharded else master_bytes,
@@ -120,7 +120,7 @@ def sampler_bytes(cfg: Qwen3Config, sharded: bool, sample_bytes: int,
                   master_bytes: int = 4) -> int:
     """The copy that samples: the whole unsharded replica with FSDP (`fsdp.shard_with_replica`);
     when replicated, a copy only if the sampling dtype is not the master's
-    (`training.sampling_replica`), else none (the trained weights sample)."""
+    (`systems.sampling_replica`), else none (the trained weights sample)."""
     copy = sharded or sample_bytes != master_bytes
     return sample_bytes * count_parameters(cfg) if copy else 0
 

@@ -35,6 +35,23 @@ from .step_scorers import (
     as_step_scorer,
 )
 
+# Step-scorer cost keys (`scorer.cost()`) of tokens sampled and of tokens only read (prefills,
+# probes, a reward model's reads and training forwards): the decode_tokens and forward_tokens
+# columns of a GRPO run count every arm in the same two units.
+DECODE_COST_KEYS = ("mc_generated_tokens",)
+FORWARD_COST_KEYS = ("forward_tokens",)
+
+
+def scorer_tokens(advantage_fn, keys=DECODE_COST_KEYS) -> int:
+    """Tokens spent so far by a process step scorer, summed over the cost keys `keys`: by default
+    the tokens it sampled (Monte-Carlo continuations), with `FORWARD_COST_KEYS` the tokens it
+    read without sampling (prefilled prefixes, a reward model's or a probe's forward passes);
+    0 without a scorer."""
+    scorer = getattr(advantage_fn, "step_scorer", None)
+    cost = scorer.cost() if scorer is not None and hasattr(scorer, "cost") else {}
+    return int(sum(cost.get(k, 0) for k in keys))
+
+
 
 def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
                       **mc_kwargs) -> StepScorer:

@@ -55,7 +55,7 @@ from .interrupts import (
     stop_reason,
 )
 from .plotting import plot_grpo_metrics
-from .run_log import EVAL_COLUMNS, MetricsLog, eval_cells
+from .run_log import EVAL_COLUMNS, MetricsLog, append_samples, eval_cells, truncate_samples
 from .tracking import RunTracker, open_tracker
 
 
@@ -86,6 +86,7 @@ class RunDir:
         self.optimizer, self.config = optimizer, config
         self.columns, self.plot_columns, self.eval_columns = columns, plot_columns, eval_columns
         self.main = is_main()
+        self.several = world_size() > 1  # several processes agree on what is due
         self.completed = 0  # optimizer steps applied to the weights (skipped ones included)
         self.eval_pending = False  # step `completed` is due an evaluation not yet run
         self.base = self.last_eval = None
@@ -179,7 +180,8 @@ class RunDir:
 
     def checkpoint_due(self):
         """Whether the checkpoint policy asks for one now (the same answer on every process)."""
-        return any_rank(self.policy.due(self.completed))
+        due = self.policy.due(self.completed)
+        return any_rank(due) if self.several else due
 
     def extra_state(self) -> dict:
         """A loop's own bookkeeping saved in every checkpoint (none here)."""
@@ -254,11 +256,126 @@ class RunDir:
         self.plot()
 
 
+# A run stops (with a checkpoint of its last finite weights) after this many steps in a row whose
+# loss or gradient was NaN/inf: the updates were skipped, and more of the same will not help.
+MAX_BAD_STEPS = 3
+
+
+class StepRun(RunDir):
+    """The GRPO loop's run: `RunDir` with a metrics row and samples.jsonl per step, the first
+    evaluations (`start`) and what follows each step (`after_step`): its printed line, the
+    stop after non-finite steps, the evaluation and the checkpoint that are due."""
+
+    def __init__(self, out, model, tokenizer, optimizer, config, columns, plot_columns,
+                 replica=None):
+        super().__init__(out, model, tokenizer, optimizer, config, columns, plot_columns,
+                         replica=replica)
+        self.bad_steps = 0  # consecutive steps with a non-finite loss or gradient
+
+    def _open_logs(self, resumed):
+        """`open_logs` on rank 0, samples.jsonl cut back to a resumed step as well."""
+        super()._open_logs(resumed)
+        truncate_samples(self.out / "samples.jsonl", self.completed)
+
+    def start(self, evaluate_now, interrupted, hook, eval_examples):
+        """Before the first step: the base model's evaluation (unless restored), and the one a
+        stop interrupted."""
+        if self.base is None:
+            hook("base_eval", 0)
+            self.base = self.last_eval = evaluate_now()
+            self.log_eval(self.base)
+            print_line(self.config, f"base model: held-out {eval_line(self.base)} "
+                                    f"({eval_examples} examples)")
+        if self.eval_pending and self.completed < self.config.steps:  # stopped mid-evaluation
+            stop_if_interrupted(interrupted)
+            self._evaluate(evaluate_now, hook)
+
+    def log_step(self, row, samples):
+        """Stage 6: the step's metrics row (rank 0), its completions every `sample_every` steps,
+        and the counters that say what is due next."""
+        if self.main:
+            self.log.append(row)
+            every = self.config.sample_every
+            sampled = bool(every and row["step"] % every == 0)
+            if sampled:
+                append_samples(self.out / "samples.jsonl", row["step"], samples)
+            self.tracker.log_row(row)
+            self.tracker.log_rollouts(row["step"], samples, with_text=sampled)
+        config = self.config
+        self.completed = row["step"]
+        self.eval_pending = bool(config.eval_every and self.completed % config.eval_every == 0
+                                 and self.completed < config.steps)
+        self.bad_steps = self.bad_steps + 1 if row["skipped"] else 0
+
+    def after_step(self, bar, row, evaluate_now, interrupted, hook):
+        """The progress bar and printed line of a finished step, then what is due: a stop after
+        MAX_BAD_STEPS non-finite steps, the evaluation, a checkpoint."""
+        bar.update(1)
+        bar.set_postfix(reward=f"{row['reward_mean']:.2f}",
+                        correct=f"{row.get('correct_mean', 0):.2f}",
+                        acc=f"{self.last_eval['accuracy']:.2f}")
+        print_line(self.config, row_line(row))
+        if self.bad_steps >= MAX_BAD_STEPS:
+            self._stop_after_bad_steps()
+        if self.eval_pending:
+            stop_if_interrupted(interrupted)
+            self._evaluate(evaluate_now, hook)
+        if self.checkpoint_due():
+            with defer_interrupts():
+                hook("checkpoint", self.completed)
+                self.checkpoint()
+
+    def _evaluate(self, evaluate_now, hook):
+        """The evaluation due after step `completed` (`evaluate_step`), printed."""
+        figures = self.evaluate_step(evaluate_now, hook)
+        print_line(self.config, f"step {self.completed}: EVAL {eval_line(figures)}")
+
+    def _stop_after_bad_steps(self):
+        """Save the (finite) weights and stop: several updates in a row were NaN/inf and
+        skipped."""
+        with defer_interrupts():
+            path = self.checkpoint()
+        barrier()  # every process raises: none before rank 0 has saved
+        raise FloatingPointError(
+            f"{self.bad_steps} steps in a row had a non-finite loss or gradient and were "
+            f"skipped; stopping. {path} holds the last finite weights; lower --lr or "
+            f"--max-grad-norm, or check the rewards, before resuming")
+
+
+def row_line(row):
+    """One printed line per step."""
+    keys = [("reward_mean", "reward"), ("correct_mean", "correct"), ("format_mean", "format"),
+            ("loss", "loss"), ("kl", "kl"), ("entropy", "entropy"), ("len_mean", "len"),
+            ("zero_adv_frac", "zero_adv"), ("proc_step_correct_rate", "steps_ok"),
+            ("step_time", "s")]
+    parts = [f"step {row['step']}"] + [f"{name} {row[k]:.3f}" for k, name in keys
+                                       if isinstance(row.get(k), float)]
+    return " | ".join(parts)
+
+
+def eval_line(figures):
+    """One line of evaluation figures (accuracy, format, think accuracy, step correctness)."""
+    def f(v):
+        return "n/a" if v is None else f"{v:.3f}"
+    return (f"accuracy {f(figures.get('accuracy'))}, format rate "
+            f"{f(figures.get('format_rate'))}, accuracy in think format "
+            f"{f(figures.get('think_accuracy'))}, step correctness "
+            f"{f(figures.get('step_correctness'))}")
+
+
+def print_line(config, msg):
+    """A line above the progress bar, when the run shows progress."""
+    if config.progress:
+        tqdm.write(msg)
+
+
 def stop_if_interrupted(interrupted):
     """Raise KeyboardInterrupt (StopSignal for SIGTERM & co.) on every process if Ctrl-C or a
     stop signal reached any of them: every process passes these points in the same order, so
     they all stop at the same one."""
-    signum = int(all_reduce_max([interrupted.signum])[0])
+    signum = interrupted.signum  # one process: 0 (a stop raises where it lands)
+    if interrupted.agreed:
+        signum = int(all_reduce_max([signum])[0])
     if signum:
         raise interrupt_exception(signum)
 

@@ -12,9 +12,9 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from reasoning_from_scratch import distributed, fsdp, qwen3, training
 from reasoning_from_scratch.datasets import load_dataset_by_name
 from reasoning_from_scratch.distillation_training import DistillConfig, train_distillation
-from reasoning_from_scratch.grpo import grpo_loss_on_batch
 from reasoning_from_scratch.qwen3 import KVCache
 from reasoning_from_scratch.sft import batch_logits
+from reasoning_from_scratch.training import grpo_loss_on_batch
 from reasoning_from_scratch.weights import load_pretrained
 
 
@@ -91,13 +91,13 @@ def test_a_forward_that_writes_the_kv_cache_with_gradients_is_not_checkpointed()
 
 
 def _one_update(shard: bool, checkpointing: bool) -> dict[str, torch.Tensor]:
-    """The weights after `training._update` on the fixed batch (micro-batches of 3)."""
+    """The weights after `training.update` on the fixed batch (micro-batches of 3)."""
     model, batch, config = fixed_batch()
     if shard:
         fsdp.shard_model(model)
     model.activation_checkpointing = checkpointing
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    stats = training._update(model, optimizer, batch, None, None, config)
+    stats = training.update(model, optimizer, batch, None, None, config)
     assert stats["skipped"] == 0
     return fsdp.full_state(model) if shard else {
         k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -224,7 +224,8 @@ def test_a_branch_rows_loss_and_gradient_come_from_its_step_alone(think_model):
     the right and the wrong digit the two branches part at."""
     import copy
 
-    from reasoning_from_scratch.grpo import batch_logprobs, grpo_loss_on_batch
+    from reasoning_from_scratch.grpo import batch_logprobs
+    from reasoning_from_scratch.training import grpo_loss_on_batch
     model, tok = think_model
     model = copy.deepcopy(model)
     ro = type("R", (), {"prompt_ids": torch.tensor(tok.encode("Compute ((16-8)*7)-6"))})()

@@ -12,7 +12,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from reasoning_from_scratch import generation, grpo
+from reasoning_from_scratch import compiled_update, generation
 from reasoning_from_scratch.generation import generate
 from reasoning_from_scratch.qwen3 import KVCache, Qwen3Model, StaticKVCache, tiny_config
 
@@ -127,7 +127,7 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(model, monkeypatch
 
 def test_a_compiled_training_run_makes_no_graph_after_its_warm_up(tiny_dir, tmp_path):
     """Prompts of different length buckets, rollouts, evaluations and the update compiled: the
-    first-use check and the warm-ups (`training._warm_up_decoding`, `_warm_up_update`) make
+    first-use check and the warm-ups (`systems._warm_up_decoding`, `_warm_up_update`) make
     every graph before the first step, none is made by the steps, the evaluations or the final
     evaluation, and the check found the compiled paths equal to eager."""
     from reasoning_from_scratch.prompts import render_prompt
@@ -152,7 +152,7 @@ def test_a_compiled_training_run_makes_no_graph_after_its_warm_up(tiny_dir, tmp_
 
     summary = train_grpo(model, tok, train, held_out, "cpu", config, phase_hook=hook)
     assert model not in generation._COMPILE_FAILURES, generation._COMPILE_FAILURES.get(model)
-    assert model not in grpo._BLOCK_COMPILE_FAILURES
+    assert model not in compiled_update._BLOCK_COMPILE_FAILURES
     assert len(graphs) == 4 and len(set(graphs.values())) == 1, graphs
     assert counters["stats"]["unique_graphs"] == graphs[1]  # the last evaluation too
     check = summary["compile_check"]

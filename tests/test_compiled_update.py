@@ -1,5 +1,6 @@
 """The update's fast path: micro-batches padded to a few fixed shapes (length buckets) and
-decoder blocks compiled (`grpo.FixedShape`, `grpo.compiled_block`), the bfloat16 sampling
+decoder blocks compiled (`compiled_update.FixedShape`, `compiled_update.compiled_block`), the
+bfloat16 sampling
 replica (`sampler_dtype`) and bfloat16 autocast of the update (`autocast`), all on the CPU.
 
 Each CPU compile costs seconds (a minute on a busy machine), so the compiled tests are few:
@@ -17,16 +18,17 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from reasoning_from_scratch import grpo, training
-from reasoning_from_scratch.grpo import FixedShape, collect_rollouts, grpo_loss_on_batch
-from reasoning_from_scratch.training import (
-    GRPOConfig,
+from reasoning_from_scratch import compiled_update, grpo, systems, training
+from reasoning_from_scratch.compiled_update import FixedShape
+from reasoning_from_scratch.grpo import collect_rollouts
+from reasoning_from_scratch.systems import (
     autocast_dtype,
     compiles_update,
     sampler_dtype,
     sampling_replica,
-    train_grpo,
 )
+from reasoning_from_scratch.training import GRPOConfig, grpo_loss_on_batch, train_grpo
+from reasoning_from_scratch.variants import loss_function
 from reasoning_from_scratch.weights import load_pretrained
 
 TRAIN = [{"problem": p, "answer": "0"}
@@ -76,7 +78,7 @@ def test_padding_to_a_fixed_shape_leaves_loss_and_gradients_unchanged(model_tok,
                        completion_cols=batch.completion_mask.shape[1] + 4, compile=False)
     assert batch.size < 8  # empty rows, left and right padding: all three kinds
     _assert_close(_loss_and_grads(model, batch, shape), _loss_and_grads(model, batch))
-    ids, mask, left = grpo.pad_to_shape(batch.input_ids, batch.attention_mask,
+    ids, mask, left = compiled_update.pad_to_shape(batch.input_ids, batch.attention_mask,
                                         batch.prompt_len, shape)
     L = batch.input_ids.shape[1]
     assert ids.shape == mask.shape == (8, shape.prompt_cols + shape.completion_cols)
@@ -121,14 +123,15 @@ def test_the_block_recompile_limit_grows_with_the_buckets(model_tok, monkeypatch
         seen.append((config.recompile_limit, config.accumulated_recompile_limit))
         return block(x, cos, sin, attn_mask)
 
-    monkeypatch.setitem(grpo._COMPILED_BLOCK, "block", spy)
+    monkeypatch.setitem(compiled_update._COMPILED_BLOCK, "block", spy)
     shape = FixedShape(rows=64, prompt_cols=8, completion_cols=64, buckets=4)
     assert shape.shape_count() == 16  # rows 16, 32, 48, 64 x columns 16, 32, 48, 64
     ids = torch.randint(0, 200, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         grpo.token_logprobs_and_entropy(model, ids, prompt_len=5, fixed_shape=shape)
-    limit = grpo.BLOCK_RECOMPILE_LIMIT * 16
-    assert len(seen) == len(model.model.layers) and model not in grpo._BLOCK_COMPILE_FAILURES
+    limit = compiled_update.BLOCK_RECOMPILE_LIMIT * 16
+    assert len(seen) == len(model.model.layers)
+    assert model not in compiled_update._BLOCK_COMPILE_FAILURES
     assert all(lim == limit and total >= limit for lim, total in seen), seen
 
 
@@ -142,7 +145,7 @@ def test_padding_to_each_bucket_leaves_loss_and_gradients_unchanged(model_tok, e
     for rows, cols, bucket in [(2, 5, (3, 8)), (5, 8, (6, 8)), (3, 9, (3, 16)),
                                (6, 16, (6, 16))]:
         part = batch.cut(rows, cols)
-        ids, mask, left = grpo.pad_to_shape(part.input_ids, part.attention_mask,
+        ids, mask, left = compiled_update.pad_to_shape(part.input_ids, part.attention_mask,
                                             part.prompt_len, shape)
         assert (ids.shape[0], ids.shape[1] - shape.prompt_cols) == bucket and left == 2
         assert int(part.completion_mask.sum()) > 0
@@ -162,7 +165,8 @@ def test_the_compiled_step_equals_eager_with_one_graph_for_every_batch(model_tok
     shape = FixedShape(rows=6, prompt_cols=max(batch.prompt_len, other.prompt_len),
                        completion_cols=8)
     _assert_close(_loss_and_grads(model, batch, shape), _loss_and_grads(model, batch))
-    assert model not in grpo._BLOCK_COMPILE_FAILURES, grpo._BLOCK_COMPILE_FAILURES.get(model)
+    failures = compiled_update._BLOCK_COMPILE_FAILURES
+    assert model not in failures, failures.get(model)
     assert not counters["graph_break"]
     graphs = counters["stats"]["unique_graphs"]
     # at most one with gradients (every block of the model) and one without; fewer where an
@@ -171,7 +175,8 @@ def test_the_compiled_step_equals_eager_with_one_graph_for_every_batch(model_tok
     with torch._dynamo.config.patch(error_on_recompile=True):
         _assert_close(_loss_and_grads(model, other, shape), _loss_and_grads(model, other))
     # a recompile would have raised inside the compiled block and been run eagerly
-    assert model not in grpo._BLOCK_COMPILE_FAILURES, grpo._BLOCK_COMPILE_FAILURES.get(model)
+    failures = compiled_update._BLOCK_COMPILE_FAILURES
+    assert model not in failures, failures.get(model)
     assert counters["stats"]["unique_graphs"] == graphs
     model.eval()
 
@@ -182,7 +187,7 @@ def test_a_bucketed_compiled_update_compiles_every_bucket_before_its_first_step(
     """Prompts and completions of varying lengths (the completions cut to another length each
     step), micro-batches of 4 and a remainder, the reference model's log-probs, two length
     buckets per dimension: every (bucket, grad mode) is run by the warm-up before the first
-    step (`training._warm_up_update`), every graph is made there, none by a step, and the
+    step (`systems._warm_up_update`), every graph is made there, none by a step, and the
     shapes the steps meet are among the buckets'. With symbolic sizes the graphs are far fewer
     than the shapes x modes (one per mode and size range)."""
     model, tok = load_pretrained(tiny_dir, device="cpu")
@@ -191,7 +196,7 @@ def test_a_bucketed_compiled_update_compiles_every_bucket_before_its_first_step(
                         eval_every=0, eval_examples=1, sample_every=0, seed=3,
                         output_dir=str(tmp_path / "run"), progress=False, compile=False,
                         compile_update=True, update_buckets=2)
-    shape = training.update_shape(config, tok, TRAIN, grpo.render_prompt)
+    shape = systems.update_shape(config, tok, TRAIN, grpo.render_prompt)
     assert (shape.row_sizes(), shape.completion_sizes()) == ((2, 4), (8, 16))
     widths = iter([16, 16, 6, 16, 12, 5])  # step 3 meets the 8-column bucket first
     counters.clear()
@@ -213,14 +218,14 @@ def test_a_bucketed_compiled_update_compiles_every_bucket_before_its_first_step(
             step[0] = s
             graphs[s] = counters["stats"]["unique_graphs"]
 
-    pad_pristine = grpo.pad_to_shape
+    pad_pristine = compiled_update.pad_to_shape
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(training, "collect_rollouts", cut_rollouts)
         mp.setattr(grpo, "pad_to_shape", spy_pad)
         train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", config, reward_fn=even_reward,
                    phase_hook=hook)
     graphs[7] = counters["stats"]["unique_graphs"]
-    assert not dict(grpo._BLOCK_COMPILE_FAILURES)  # the policy's and the reference's blocks
+    assert not dict(compiled_update._BLOCK_COMPILE_FAILURES)  # the policy's and the reference's
     assert len(prompt_lens) > 1 and not counters["graph_break"]
     buckets = {(r, shape.prompt_cols + c) for r in shape.row_sizes()
                for c in shape.completion_sizes()}
@@ -346,8 +351,8 @@ def test_bfloat16_autocast_keeps_fp32_weights_and_a_close_loss(model_tok, even_r
             lambda mod, args, out, seen=dtypes: seen.append(out.dtype))
         start = {n: p.detach().clone() for n, p in m.named_parameters()}
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        stats = training._update(m, opt, batch, old, logp - 0.1,
-                                 GRPOConfig(autocast=mode, beta=0.1))
+        stats = systems.general_update(m, opt, batch, old, logp - 0.1,
+                                       GRPOConfig(autocast=mode, beta=0.1))
         assert stats["skipped"] == 0
         assert all(p.dtype == torch.float32 for p in m.parameters())
         assert all(v.dtype == torch.float32 for s in opt.state.values() for v in s.values()
@@ -360,8 +365,8 @@ def test_bfloat16_autocast_keeps_fp32_weights_and_a_close_loss(model_tok, even_r
 
 
 def test_reference_logprobs_run_without_grad_and_in_lm_head_chunks(model_tok, even_reward):
-    """The reference's pass (`_apply_update`) is under no_grad, and no lm_head call, policy or
-    reference, sees more than chunk_size positions: no (B, T, V) logits tensor."""
+    """The reference's pass (`training.update_stage`) is under no_grad, and no lm_head call,
+    policy or reference, sees more than chunk_size positions: no (B, T, V) logits tensor."""
     model, tok = model_tok
     batch = _batch(model, tok, even_reward, TRAIN[:2], seed=5)
     policy, ref = copy.deepcopy(model), copy.deepcopy(model).requires_grad_(False)
@@ -373,8 +378,11 @@ def test_reference_logprobs_run_without_grad_and_in_lm_head_chunks(model_tok, ev
     config = GRPOConfig(beta=0.1, chunk_size=4)
     cost = {"t0": 0.0, "rollout_s": 0.0, "sampling_rounds": 1, "scorer_tokens": 0,
             "scorer_forward_tokens": 0}
-    training._apply_update(policy, torch.optim.AdamW(policy.parameters()), batch, config, ref,
-                           ["correct"], 0, cost, lambda *a: None)
+    parts = training.Step(policy, torch.optim.AdamW(policy.parameters()), policy, tok, TRAIN,
+                          "cpu", config, even_reward, ["correct"], grpo.render_prompt,
+                          loss_function(config), ref_model=ref, update=training.update,
+                          logprobs=training.logprobs)
+    training.update_stage(parts, batch, 0, cost, lambda *a: None)
     assert {c[0] for c in calls} == {"policy", "ref"}
     assert all(rows <= 4 for _, rows, _ in calls)
     assert not any(grad for who, _, grad in calls if who == "ref")

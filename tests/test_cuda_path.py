@@ -17,12 +17,20 @@ from graph_replay import GraphReplay, HostSyncs, replay_decode_steps
 from tolerance import max_diff
 from torch._dynamo.utils import counters
 
-from reasoning_from_scratch import compile_check, distributed, fsdp, generation, grpo, training
+from reasoning_from_scratch import (
+    compile_check,
+    compiled_update,
+    distributed,
+    fsdp,
+    generation,
+    training,
+)
+from reasoning_from_scratch.compiled_update import FixedShape
 from reasoning_from_scratch.fsdp import refresh_replica
 from reasoning_from_scratch.generation import generate
-from reasoning_from_scratch.grpo import FixedShape
 from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
-from reasoning_from_scratch.training import GRPOConfig, sampling_replica, train_grpo
+from reasoning_from_scratch.systems import sampling_replica
+from reasoning_from_scratch.training import GRPOConfig, train_grpo
 from reasoning_from_scratch.weights import load_pretrained
 
 V = 24
@@ -131,7 +139,7 @@ def test_the_decode_loop_reads_the_device_once_per_check_window(monkeypatch):
 
 
 def test_refreshing_the_bf16_sampler_keeps_its_addresses_and_the_compiled_step_reads_them():
-    """`training.sampling_replica` refreshed after an update (`fsdp.refresh_replica`, as every
+    """`systems.sampling_replica` refreshed after an update (`fsdp.refresh_replica`, as every
     step does): every parameter at its address (a CUDA graph reads its weights there), the
     compiled step's log-probs move with the weights (no stale weights baked into the graph),
     agree with eager decoding of the new weights, and no graph is made again."""
@@ -270,7 +278,7 @@ def test_the_update_check_catches_compiled_blocks_that_disagree(monkeypatch):
     def eager_block(block, x, cos, sin, attn_mask):
         return block(x, cos, sin, attn_mask)
 
-    monkeypatch.setitem(grpo._COMPILED_BLOCK, "block", eager_block)
+    monkeypatch.setitem(compiled_update._COMPILED_BLOCK, "block", eager_block)
     good = compile_check.check_logprobs(*args, off)
     assert good["ok"] and good["max_logprob_diff"] < good["logprob_tolerance"] < 1e-3
 
@@ -278,7 +286,7 @@ def test_the_update_check_catches_compiled_blocks_that_disagree(monkeypatch):
         out = block(x, cos, sin, attn_mask)
         return out * (1 + 1e-3)
 
-    monkeypatch.setitem(grpo._COMPILED_BLOCK, "block", off_block)
+    monkeypatch.setitem(compiled_update._COMPILED_BLOCK, "block", off_block)
     bad = compile_check.check_logprobs(*args, off)
     assert not bad["ok"] and bad["max_logprob_diff"] > bad["logprob_tolerance"]
     assert math.isfinite(bad["logprob_tolerance"])

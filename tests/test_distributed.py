@@ -17,7 +17,7 @@ import pytest
 import torch
 from tolerance import assert_trained_alike, saved_weights
 
-from reasoning_from_scratch import distributed, training
+from reasoning_from_scratch import distributed, systems, training
 from reasoning_from_scratch.generation import row_uniforms, sample_next_token
 from reasoning_from_scratch.grpo import RolloutBatch, collect_rollouts
 from reasoning_from_scratch.interrupts import defer_interrupts, record_interrupts
@@ -390,9 +390,9 @@ def test_dynamic_sampling_keeps_the_first_groups_in_prompt_order(monkeypatch):
 
     kept = [[1, 2], [2, 1]]
     for me, expect in ((0, 2 * G), (1, 2 * G)):
-        monkeypatch.setattr(training, "rank", lambda me=me: me)
+        monkeypatch.setattr(systems, "rank", lambda me=me: me)
         mine = [batch(kept[0][me]), batch(kept[1][me])]
-        got = training._first_groups(mine, kept, 4, G, 0)
+        got = systems._first_groups(mine, kept, 4, G, 0)
         assert got.size == expect
         if me == 0:  # its round-0 group and the first of its round-1 groups
             assert torch.equal(got.input_ids, torch.cat([mine[0].input_ids,

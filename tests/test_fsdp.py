@@ -128,7 +128,7 @@ import sys
 from dataclasses import replace
 import torch, torch.distributed as dist
 from safetensors.torch import save_file
-from reasoning_from_scratch import distributed, fsdp, training
+from reasoning_from_scratch import distributed, fsdp, systems
 sys.path.insert(0, sys.argv[2])
 from test_fsdp import fixed_batch
 distributed.init_distributed(torch.device("cpu"))
@@ -141,7 +141,7 @@ if sharded:
     fsdp.shard_model(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
 mine = batch if dist.get_rank() == 0 else batch.rows(torch.zeros(batch.size, dtype=torch.bool))
-stats = training._update(model, optimizer, mine, None, None, config)
+stats = systems.general_update(model, optimizer, mine, None, None, config)
 state = fsdp.full_state(model) if sharded else model.state_dict()
 if dist.get_rank() == 0:
     save_file({k: v.clone() for k, v in state.items()}, sys.argv[1])  # tied: one copy each
@@ -186,7 +186,7 @@ def test_a_process_without_rows_keeps_the_others_company(tmp_path, how):
     model, batch, config = fixed_batch()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    stats = training._update(model, optimizer, batch, None, None, config)
+    stats = training.update(model, optimizer, batch, None, None, config)
     assert stats["skipped"] == 0 and stats["grad_norm"] > 0
     printed = float(re.search(r"grad_norm (\S+)", res.stdout)[1])
     assert abs(printed - stats["grad_norm"]) <= training_bound(stats["grad_norm"])

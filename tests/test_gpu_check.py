@@ -17,7 +17,7 @@ import pytest
 import torch
 from tolerance import all_printed_close
 
-from reasoning_from_scratch import training
+from reasoning_from_scratch import systems, training
 from reasoning_from_scratch.qwen3 import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,8 +51,8 @@ def test_gpu_check_without_cuda_says_so_and_exits_0():
 
 def test_cuda_default_setup_is_what_the_default_flags_pick_on_cuda(gpu_check):
     def picks(config):  # (sampler dtype, autocast dtype, compiled update) on CUDA
-        return (training.sampler_dtype(config, "cuda"), training.autocast_dtype(config, "cuda"),
-                training.compiles_update(config, "cuda"))
+        return (systems.sampler_dtype(config, "cuda"), systems.autocast_dtype(config, "cuda"),
+                systems.compiles_update(config, "cuda"))
 
     def setup(name, compile=True):
         return gpu_check["grpo_config"](name, 8, small_args(compile=compile))

@@ -13,13 +13,10 @@ from reasoning_from_scratch.grpo import (
     RolloutBatch,
     aggregate_loss,
     batch_logprobs,
-    clipped_policy_loss,
     clipped_surrogate,
     compute_advantage_stats,
-    compute_grpo_loss,
     group_advantages,
     group_advantages_multi,
-    grpo_loss_on_batch,
     k3_kl,
     pack_rollouts,
     sequence_logprob,
@@ -27,6 +24,8 @@ from reasoning_from_scratch.grpo import (
     token_logprobs_and_entropy,
 )
 from reasoning_from_scratch.qwen3 import Qwen3Model, tiny_config
+from reasoning_from_scratch.training import compute_grpo_loss, grpo_loss_on_batch
+from reasoning_from_scratch.variants import clipped_policy_loss
 
 
 class BigramLM(nn.Module):

@@ -4,10 +4,9 @@ temperature, DAPO dynamic sampling, GDPO, the book's sequence-level KL, micro-ba
 import pytest
 import torch
 
-from reasoning_from_scratch import training
+from reasoning_from_scratch import systems, training
 from reasoning_from_scratch.grpo import (
     batch_logprobs,
-    clipped_policy_loss,
     collect_rollouts,
     concat_rollout_batches,
     group_advantages_multi,
@@ -15,6 +14,7 @@ from reasoning_from_scratch.grpo import (
 from reasoning_from_scratch.rewards import CompositeReward, RewardTerm
 from reasoning_from_scratch.run_log import read_metrics
 from reasoning_from_scratch.training import GRPOConfig, train_grpo
+from reasoning_from_scratch.variants import clipped_policy_loss
 from reasoning_from_scratch.weights import load_pretrained
 
 TRAIN = [{"problem": f"{a}+{b}", "answer": str(a + b)} for a, b in [(2, 3), (4, 5), (6, 7), (8, 9)]]
@@ -48,7 +48,7 @@ def test_training_old_logprobs_use_the_sampling_temperature(model_tok, even_rewa
     batch = _rollouts(model, tok, even_reward, temperature=0.7)
     config = GRPOConfig(temperature=0.7, micro_batch_size=3)
     with torch.no_grad():
-        old = training._logprobs_no_grad(model, batch, config)
+        old = systems.general_logprobs(model, batch, config)
         direct, _ = batch_logprobs(model, batch, with_entropy=False, temperature=0.7)
     torch.testing.assert_close(old, direct, atol=1e-6, rtol=1e-6)
 
@@ -83,15 +83,15 @@ def test_dynamic_sampling_keeps_drawing_until_the_batch_has_signal(model_tok):
     model, tok = model_tok
     config = GRPOConfig(prompts_per_step=2, num_rollouts=4, max_new_tokens=6,
                         dynamic_sampling=True, max_sampling_rounds=4, seed=5)
-    batch, cost = training._rollouts(model, tok, TRAIN, "cpu", config, _only_some_signal(), None,
-                                     lambda p: p, step=0)
+    batch, cost = systems.general_rollouts(model, tok, TRAIN, "cpu", config,
+                                           _only_some_signal(), None, lambda p: p, step=0)
     assert cost["sampling_rounds"] > 1
     assert batch.rewards.shape[0] == 2 * cost["sampling_rounds"]  # every group sampled is logged
     groups = batch.size // 4
     assert 1 <= groups <= 2 and batch.advantages.reshape(groups, 4).abs().sum(1).min() > 0
     plain = GRPOConfig(prompts_per_step=2, num_rollouts=4, max_new_tokens=6, seed=5)
-    _, cost = training._rollouts(model, tok, TRAIN, "cpu", plain, _only_some_signal(), None,
-                                 lambda p: p, step=0)
+    _, cost = systems.general_rollouts(model, tok, TRAIN, "cpu", plain, _only_some_signal(),
+                                       None, lambda p: p, step=0)
     assert cost["sampling_rounds"] == 1
 
 
@@ -139,7 +139,7 @@ def test_micro_batch_without_loss_tokens_and_token_weighted_statistics(model_tok
         model.zero_grad()
         cfg = GRPOConfig(micro_batch_size=mbs, max_grad_norm=1e9, lr=1e-3)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        stats.append(training._update(model, opt, batch, None, None, cfg))
+        stats.append(training.update(model, opt, batch, None, None, cfg))
         grads.append([p.grad.clone() for p in model.parameters()])
     assert stats[1]["skipped"] == 0
     for k in ("entropy", "ratio_mean"):

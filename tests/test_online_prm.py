@@ -7,7 +7,6 @@ import pytest
 import torch
 from rollout_helpers import rollouts_from_texts
 
-from reasoning_from_scratch.grpo import compute_grpo_loss
 from reasoning_from_scratch.online_prm import OnlinePRMStepScorer, OutcomeStepLabeler
 from reasoning_from_scratch.prm import ProcessRewardModel, encode_steps, save_prm
 from reasoning_from_scratch.process import process_advantages, split_steps, step_texts
@@ -20,6 +19,7 @@ from reasoning_from_scratch.process_supervision import (
 )
 from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.step_scorers import VerifierStepScorer
+from reasoning_from_scratch.training import compute_grpo_loss
 from reasoning_from_scratch.weights import load_pretrained
 
 EXAMPLE = {"problem": "Compute ((17+25)*3)-8", "answer": "118"}

@@ -190,7 +190,7 @@ def test_nan_max_grad_norm_never_reaches_the_weights(tiny_dir, even_reward):
     object.__setattr__(config, "max_grad_norm", float("nan"))  # past validation, on purpose
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stats = training._update(model, opt, batch, None, None, config)
+    stats = training.update(model, opt, batch, None, None, config)
     assert stats["skipped"] == 1  # the clipped gradient is NaN: caught after clipping
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert not opt.state
@@ -198,14 +198,14 @@ def test_nan_max_grad_norm_never_reaches_the_weights(tiny_dir, even_reward):
 
 def test_consecutive_bad_steps_stop_the_run_with_finite_weights(tiny_dir, tmp_path,
                                                                even_reward, monkeypatch):
-    real = training.grpo_loss_on_batch
+    real = training.loss_on_batch
 
     def nan_loss(*args, **kwargs):
         out = real(*args, **kwargs)
         out["loss"] = out["loss"] * float("nan")
         return out
 
-    monkeypatch.setattr(training, "grpo_loss_on_batch", nan_loss)
+    monkeypatch.setattr(training, "loss_on_batch", nan_loss)
     out = tmp_path / "run"
     with pytest.raises(FloatingPointError, match="3 steps in a row"):
         _train(tiny_dir, _config(out, steps=10, beta=0.0, eval_every=0, checkpoint_every=0),

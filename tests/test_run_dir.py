@@ -11,7 +11,8 @@ from reasoning_from_scratch import run_dir
 from reasoning_from_scratch.checkpoints import STOPPED_FILE, read_trainer_state
 from reasoning_from_scratch.distillation_training import DistillConfig, _DistillRun
 from reasoning_from_scratch.interrupts import StopSignal
-from reasoning_from_scratch.training import GRPOConfig, _Run
+from reasoning_from_scratch.run_dir import StepRun
+from reasoning_from_scratch.training import GRPOConfig, plot_columns
 from reasoning_from_scratch.weights import load_pretrained
 
 
@@ -29,7 +30,7 @@ def test_a_state_already_saved_is_not_written_again(tiny, tmp_path, monkeypatch)
     monkeypatch.setattr(run_dir, "save_checkpoint",
                         lambda path, *a, **k: writes.append(path.name) or real(path, *a, **k))
     config = GRPOConfig(output_dir=str(tmp_path), keep_checkpoints=0, progress=False)
-    run = _Run(tmp_path, model, tok, opt, config, ["step"])
+    run = StepRun(tmp_path, model, tok, opt, config, ["step"], plot_columns(config))
     run.completed = 3
     assert run.checkpoint() == run.checkpoint() == tmp_path / "checkpoint-3"
     run.eval_pending = True  # a new state: saved again, to the same place
@@ -51,7 +52,7 @@ def test_a_distillation_checkpoint_keeps_its_training_seconds(tiny, tmp_path):
 def test_a_stop_leaves_a_checkpoint_and_the_exit_status(tiny, tmp_path, capsys):
     model, tok, opt = tiny
     config = GRPOConfig(output_dir=str(tmp_path), keep_checkpoints=0, progress=False)
-    run = _Run(tmp_path, model, tok, opt, config, ["step"])
+    run = StepRun(tmp_path, model, tok, opt, config, ["step"], plot_columns(config))
     run.completed = 1
     with pytest.raises(StopSignal), run.stoppable():
         raise StopSignal(signal.SIGTERM)

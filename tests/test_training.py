@@ -11,12 +11,7 @@ import torch
 from reasoning_from_scratch import training
 from reasoning_from_scratch.checkpoints import find_checkpoint
 from reasoning_from_scratch.cli import train as training_cli
-from reasoning_from_scratch.grpo import (
-    batch_logprobs,
-    collect_rollouts,
-    compute_grpo_loss,
-    grpo_loss_on_batch,
-)
+from reasoning_from_scratch.grpo import batch_logprobs, collect_rollouts
 from reasoning_from_scratch.process import step_statistics
 from reasoning_from_scratch.process_supervision import make_process_advantage_fn
 from reasoning_from_scratch.qwen3 import Qwen3Model
@@ -26,6 +21,8 @@ from reasoning_from_scratch.training import (
     PROCESS_COLUMNS,
     TIMING_COLUMNS,
     GRPOConfig,
+    compute_grpo_loss,
+    grpo_loss_on_batch,
     process_metrics,
     train_grpo,
 )
@@ -56,7 +53,7 @@ def test_one_update_changes_parameters_and_lowers_loss_on_fixed_batch(tiny_dir, 
     before = [p.detach().clone() for p in model.parameters()]
     loss_before = grpo_loss_on_batch(model, batch, old)["loss"].item()
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    stats = training._update(model, opt, batch, old, None, config)
+    stats = training.update(model, opt, batch, old, None, config)
     assert stats["skipped"] == 0 and stats["grad_norm"] > 0
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     loss_after = grpo_loss_on_batch(model, batch, old)["loss"].item()
@@ -67,17 +64,17 @@ def test_non_finite_loss_skips_update(tiny_dir, monkeypatch, even_reward):
     model, tok = load_pretrained(tiny_dir, device="cpu")
     batch = collect_rollouts(model, tok, TRAIN[:2], "cpu", even_reward, num_rollouts=4,
                              max_new_tokens=6, generator=torch.Generator().manual_seed(0))
-    real = training.grpo_loss_on_batch
+    real = training.loss_on_batch
 
     def nan_loss(*args, **kwargs):
         out = real(*args, **kwargs)
         out["loss"] = out["loss"] * float("nan")
         return out
 
-    monkeypatch.setattr(training, "grpo_loss_on_batch", nan_loss)
+    monkeypatch.setattr(training, "loss_on_batch", nan_loss)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stats = training._update(model, opt, batch, None, None, GRPOConfig())
+    stats = training.update(model, opt, batch, None, None, GRPOConfig())
     assert stats["skipped"] == 1
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert not opt.state  # AdamW moments untouched
@@ -93,7 +90,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_dir, even_rewa
             model.zero_grad()
             cfg = GRPOConfig(loss_type=loss_type, micro_batch_size=mbs, max_grad_norm=1e9)
             opt = torch.optim.SGD(model.parameters(), lr=0.0)  # keeps the weights fixed
-            training._update(model, opt, batch, None, None, cfg)
+            training.update(model, opt, batch, None, None, cfg)
             grads.append([p.grad.clone() for p in model.parameters()])
         for g1, g2 in zip(*grads):
             torch.testing.assert_close(g1, g2, atol=1e-6, rtol=1e-4)
@@ -249,8 +246,8 @@ def test_ch07_script_process_supervision(tmp_path):
 def test_ch07_script_runs_the_outcome_anchored_forms(tmp_path, monkeypatch, scorer, variant):
     """ch07_train.py --supervision process --process-variant NAME, one step each."""
     out = tmp_path / "run"
-    policy_reads, real = [], training._forward_tokens
-    monkeypatch.setattr(training, "_forward_tokens",
+    policy_reads, real = [], training.forward_tokens
+    monkeypatch.setattr(training, "forward_tokens",
                         lambda *a: policy_reads.append(real(*a)) or policy_reads[-1])
     summary = _load_script("ch07_train").main([
         "--supervision", "process", "--step-scorer", scorer, "--process-variant", variant,
@@ -363,7 +360,7 @@ def test_forward_tokens_counts_prefill_and_update_passes_by_hand():
     batch = RolloutBatch(ids, am, P, cmask, torch.zeros(4), torch.zeros(2, 2), samples)
     # prefill 3 + 3 + 2 + 2 = 10; the update reads 4 x 6 = 24 positions less the 2 left pads
     # of the second prompt's rows = 22 per pass
-    assert training._forward_tokens(batch, GRPOConfig(inner_epochs=1), False) == 10 + 22
-    assert training._forward_tokens(batch, GRPOConfig(inner_epochs=1), True) == 10 + 2 * 22
+    assert training.forward_tokens(batch, GRPOConfig(inner_epochs=1), False) == 10 + 22
+    assert training.forward_tokens(batch, GRPOConfig(inner_epochs=1), True) == 10 + 2 * 22
     # 2 epochs with gradients + the old policy's log-probs + the reference: 4 passes
-    assert training._forward_tokens(batch, GRPOConfig(inner_epochs=2), True) == 10 + 4 * 22
+    assert training.forward_tokens(batch, GRPOConfig(inner_epochs=2), True) == 10 + 4 * 22
