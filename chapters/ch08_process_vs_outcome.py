@@ -27,8 +27,10 @@ table is the same as one at a time, the seconds are each run's own).
 """
 
 import argparse
+import json
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from reasoning_from_scratch.cli.arguments import (
     add_model_argument,
@@ -42,6 +44,8 @@ from reasoning_from_scratch.experiments.process_vs_outcome import (
     DEFAULT_ARMS,
     PER_RUN,
     ExperimentSettings,
+    add_pairs_to_file,
+    plot_tuned_comparison,
     run_experiment,
 )
 from reasoning_from_scratch.experiments.tuning import SearchGrid, run_search
@@ -96,6 +100,13 @@ def build_parser():
     p.add_argument("--output-dir", default="runs/ch08-process-vs-outcome",
                    help="experiment directory (run directories, PRM cache, results)")
     add_runtime_arguments(p)
+    g = p.add_argument_group("stored summaries (docs/process_vs_outcome_*.json): no training")
+    g.add_argument("--add-pairs", metavar="JSON", default=None,
+                   help="recompute every pair of arms' differences of each summary in JSON "
+                        "from its rows and levels, write them in and exit")
+    g.add_argument("--plot-tuned", metavar="JSON", default=None,
+                   help="draw the tuned comparison (val_* and test_* summaries of JSON, e.g. "
+                        "docs/process_vs_outcome_tuned.json) into the .png beside it and exit")
     g = p.add_argument_group(
         "step-size search (experiments/tuning.py): one experiment per point in "
         "<output-dir>/<point>/, staged lr, then updates per batch, then loss type; per arm the "
@@ -140,10 +151,32 @@ def build_parser():
     return p
 
 
+def from_stored_summaries(add_pairs=None, plot_tuned=None):
+    """--add-pairs and --plot-tuned: rewrite a stored summary file with its pairs, draw the
+    tuned comparison from one; returns the paths written."""
+    written = []
+    if add_pairs:
+        names = add_pairs_to_file(add_pairs)
+        print(f"{add_pairs}: pairs of {', '.join(names)}")
+        written.append(add_pairs)
+    if plot_tuned:
+        data = json.loads(Path(plot_tuned).read_text())
+        summaries = {split: [v for k, v in data.items() if k.startswith(f"{split}_")
+                             and isinstance(v, dict) and v.get("reference") == "outcome-tuned"]
+                     for split in ("val", "test")}  # the summaries against the tuned outcome
+        png = Path(plot_tuned).with_suffix(".png")
+        plot_tuned_comparison(summaries, png)
+        print(f"wrote {png}")
+        written.append(str(png))
+    return written
+
+
 def main(argv=None):
     """Parse and check the flags, then run the experiment; returns its summary."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.add_pairs or args.plot_tuned:
+        return from_stored_summaries(args.add_pairs, args.plot_tuned)
     refuse_multiple_processes("ch08_process_vs_outcome.py", ONE_PROCESS_ONLY)
     defaults = GRPOConfig()
     for name, why in PER_RUN.items():

@@ -125,6 +125,15 @@ def test_ch08_process_vs_outcome_tiny_run(tmp_path):
         last = runs["0"][-1]
         assert last["step"] == 2 and last["tokens"] > 0
     assert "| process (learned PRM) | 1 |" in (tmp_path / "results.md").read_text()
+    # every pair of arms, later minus earlier, with its paired interval and its levels
+    pairs = {(p["arm"], p["vs"]): p for p in results["pairs"]}
+    assert set(pairs) == {("verifier", "outcome"), ("prm", "outcome"), ("prm", "verifier")}
+    rows = {r["arm"]: r for r in results["rows"]}
+    diff = pairs[("prm", "verifier")]["final_accuracy"]
+    assert diff["mean"] == pytest.approx(rows["prm"]["final_accuracy"]["mean"]
+                                         - rows["verifier"]["final_accuracy"]["mean"])
+    assert diff["lo"] <= diff["mean"] <= diff["hi"] and "levels" in pairs[("prm", "verifier")]
+    assert "| prm - verifier |" in (tmp_path / "results.md").read_text()
 
 
 def test_ch08_jobs_equal_the_sequential_runs(tmp_path):

@@ -58,7 +58,7 @@ def _mean(values):
 def mean_levels(runs: list[dict]) -> dict[str, dict[str, float]]:
     """Per level, each figure's mean over runs (runs without think answers there are skipped)."""
     levels = sorted({lv for run in runs for lv in run}, key=int)
-    keys = (*FIGURES, "think_answers", "think_steps")
+    keys = (*FIGURES, "accuracy", "carry_step_correctness", "think_answers", "think_steps")
     return {lv: {k: _mean([run[lv].get(k) for run in runs if lv in run]) for k in keys}
             for lv in levels}
 

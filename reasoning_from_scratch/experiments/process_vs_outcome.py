@@ -83,17 +83,24 @@ from pathlib import Path
 import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from ..cli.train import load_grpo_data
 from ..device import get_device
 from ..evaluation import evaluate_policy
-from ..files import atomic_write_json
+from ..files import atomic_write_json, atomic_write_text
 from ..prm import train_prm_on_arithmetic
 from ..process import ANCHORED_VARIANTS
 from ..run_log import read_metrics
 from ..training import DEFAULT_TRAIN_LEVEL_WEIGHTS, GRPOConfig, train_grpo
 from ..weights import load_pretrained
-from .levels import LEVEL_FILE, final_level_figures, level_figures, level_table
+from .levels import (
+    LEVEL_FILE,
+    final_level_figures,
+    level_figures,
+    level_table,
+    mean_levels,
+)
 from .stats import (
     SETTINGS_FILE,
     bootstrap_draws,
@@ -149,7 +156,7 @@ THINK = ("verifier-think", "progress")  # outcome + progress credit of the think
 LOCAL = ("verifier-think-local", "progress-local")  # ... with credit past the first error
 FLAT, SHUFFLED = {"process_credit_control": "flat"}, {"process_credit_control": "shuffled"}
 # Branches at the first error (branching.py): 4 one-step continuations from each of a group's
-# two most shared first-error states, fixed before any run.
+# two most shared first-error states, set before the design's first (val) run.
 BRANCHES = {"branch_rollouts": 4, "branch_states": 2}
 
 
@@ -719,6 +726,71 @@ def _add_intervals(row, curves, budget, reference="outcome"):
             row["intervals"][name] = {"arm": ref, "seeds": seeds, **_intervals(a, b)}
 
 
+def _pair_intervals(curves, budget):
+    """{(arm, other): `_intervals` of arm - other} for every pair of arms, the later arm in
+    `curves`' order first, on the seeds both have; pairs without per-problem records are
+    left out."""
+    arms, out = list(curves), {}
+    for i, other in enumerate(arms):
+        for arm in arms[i + 1:]:
+            seeds = [s for s in curves[arm] if s in curves[other]]
+            a = _problem_matrices(curves[arm], seeds, budget)
+            b = _problem_matrices(curves[other], seeds, budget)
+            if a is not None and b is not None and len(a["correct"][0]) == len(b["correct"][0]):
+                out[(arm, other)] = _intervals(a, b)
+    return out
+
+
+# The figures every pair of arms is compared on (`pair_differences`): the per-problem ones get
+# a paired bootstrap interval when the runs' per-problem records are at hand.
+PAIR_FIGURES = ("final_accuracy", "final_step_correctness", "accuracy_at_budget",
+                "accuracy_at_forward_budget")
+
+
+def pair_differences(rows, intervals=None):
+    """Every pairwise comparison of an experiment's arms, as results.json keeps it: for each
+    pair of `rows` (`summarise`'s rows), the later row minus the earlier, the difference of
+    their mean `PAIR_FIGURES` ({"mean"}), with its 95% paired bootstrap interval ({"mean",
+    "lo", "hi"}) where `intervals` ({(arm, other): ...}, `_pair_intervals`) has one."""
+    intervals, pairs = intervals or {}, []
+    for i, earlier in enumerate(rows):
+        for row in rows[i + 1:]:
+            pair = {"arm": row["arm"], "vs": earlier["arm"]}
+            bootstrap = intervals.get((row["arm"], earlier["arm"]), {})
+            for key in PAIR_FIGURES:
+                a, b = row.get(key, stat([]))["mean"], earlier.get(key, stat([]))["mean"]
+                if a is not None and b is not None and not math.isnan(a - b):
+                    pair[key] = bootstrap.get(key) or {"mean": a - b}
+            pairs.append(pair)
+    return pairs
+
+
+LEVEL_PAIR_FIGURES = ("accuracy", "step_correctness", "carry_step_correctness")
+
+
+def add_level_differences(pairs, levels):
+    """Each pair's per-level differences of the final models' mean `LEVEL_PAIR_FIGURES`
+    (`levels.mean_levels` over seeds; `_final_levels`' figures), under "levels" {level:
+    {figure: difference}}, in place."""
+    means = {arm: mean_levels(runs) for arm, runs in (levels or {}).get("runs", {}).items()
+             if runs}
+    for pair in pairs:
+        a, b = means.get(pair["arm"]), means.get(pair["vs"])
+        if a is None or b is None:
+            continue
+        pair["levels"] = {lv: {k: a[lv][k] - b[lv][k] for k in LEVEL_PAIR_FIGURES
+                               if not math.isnan(a[lv][k] - b[lv][k])}
+                          for lv in a if lv in b}
+    return pairs
+
+
+def summary_pairs(summary):
+    """`pair_differences` (with the per-level differences) of a results.json summary from its
+    rows and levels alone: the point differences of a summary whose runs' per-problem records
+    are no longer at hand (no intervals)."""
+    return add_level_differences(pair_differences(summary["rows"]), summary.get("levels"))
+
+
 def summarise(curves, base, reference="outcome"):
     """Per-arm rows of the table, plus the reference runs' target accuracy and budgets.
 
@@ -761,7 +833,8 @@ def summarise(curves, base, reference="outcome"):
         rows.append(row)
     return {"reference": reference, "target": target, "token_budget": budgets.get("tokens"),
             "forward_token_budget": budgets.get("forward_tokens"),
-            "seconds_budget": budgets.get("seconds"), "rows": rows}
+            "seconds_budget": budgets.get("seconds"), "rows": rows,
+            "pairs": pair_differences(rows, _pair_intervals(curves, budgets.get("tokens")))}
 
 
 def _fmt_reach(values):
@@ -877,6 +950,23 @@ def _interval_table(summary):
     return lines
 
 
+def _pairs_table(summary):
+    """The fourth table: every pair of arms (`pair_differences`), later minus earlier."""
+    pairs = summary.get("pairs") or []
+    if not pairs:
+        return []
+    lines = ["", "| arm - other arm | final accuracy | step correctness | acc. at outcome's "
+             "decode tokens | acc. at outcome's forward tokens |", "|---|---|---|---|---|"]
+    for pair in pairs:
+        cells = [format_interval(pair.get(key)) for key in PAIR_FIGURES]
+        lines.append(f"| {pair['arm']} - {pair['vs']} | " + " | ".join(cells) + " |")
+    lines += ["", "Every pair of arms, the later row minus the earlier, on the seeds both have: "
+              "the difference of the means with its paired bootstrap interval as above (none "
+              "for the accuracy at outcome's forward tokens, and none when per-problem records "
+              "are missing)."]
+    return lines
+
+
 def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
     """results.md: the tables of docs/process_vs_outcome.md, with the definitions under them."""
     rows, target, budget = summary["rows"], summary["target"], summary["token_budget"]
@@ -924,6 +1014,7 @@ def write_table(summary, base, path, prm_report=None, held_out_name="held-out"):
                      "evaluated checkpoints (`interpolate_at`): the equal-tokens comparison.")
     lines += _equal_compute_table(summary)
     lines += _interval_table(summary)
+    lines += _pairs_table(summary)
     if prm_report is not None and any(_uses_prm(r["arm"]) for r in rows):
         h = prm_report.get("held_out", {})
         extra = prm_report.get("sampled_tokens", 0) + prm_report.get("mc_generated_tokens", 0)
@@ -1002,6 +1093,90 @@ def plot_process_vs_outcome(curves, base, path, token_budget=None, seconds_budge
                  f"(mean ± sd over {n_seeds} seed{'s' if n_seeds != 1 else ''})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+# The arms of the tuned comparison's figure (`plot_tuned_comparison`), in drawing order
+TUNED_FIGURE_ARMS = ("outcome-tuned", "recommended-tuned", "placebo-tuned",
+                     "recommended-local-tuned", "recommended-branch-tuned",
+                     "placebo-branch-tuned")
+
+
+def _stored_readings(row, summary, unit):
+    """(x, y, x sd, y sd) of the readings a results.json row keeps on the `unit` axis
+    ("tokens": decode, "forward_tokens"): the reading at the reference's mean total
+    (`accuracy_at_budget` / `accuracy_at_forward_budget`) and the final model at the arm's own
+    mean total, each mean with its sd over seeds."""
+    budget = summary["token_budget" if unit == "tokens" else "forward_token_budget"]
+    at = row.get("accuracy_at_budget" if unit == "tokens" else "accuracy_at_forward_budget")
+    points = []
+    if budget is not None and at is not None and at["mean"] is not None:
+        points.append((budget, at["mean"], 0.0, at["sd"] or 0.0))
+    total, final = row[unit], row["final_accuracy"]
+    points.append((total["mean"], final["mean"], total["sd"] or 0.0, final["sd"] or 0.0))
+    return sorted(points)
+
+
+def plot_tuned_comparison(summaries, path, arms=TUNED_FIGURE_ARMS):
+    """The tuned comparison from its stored summaries: accuracy against decode tokens and
+    against forward tokens (columns), val and test (rows), mean over seeds with the seeds' sd
+    as bands. `summaries`: {"val": [results.json summaries], "test": [...]} (an arm found in
+    several is drawn from the first); each arm is drawn at the readings its rows keep
+    (`_stored_readings`), joined by a dotted line (the checkpoints' curves are not in a
+    summary); the reference arm's totals and the base model's accuracy are marked."""
+    fig = Figure(figsize=(13, 9))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2)
+    for r, split in enumerate(("val", "test")):
+        found = {}
+        for summary in summaries.get(split, []):
+            for row in summary["rows"]:
+                found.setdefault(row["arm"], (row, summary))
+        for c, (unit, name) in enumerate((("tokens", "decode tokens (k)"),
+                                          ("forward_tokens", "forward tokens (k)"))):
+            ax = axes[r, c]
+            for arm in (a for a in arms if a in found):
+                row, summary = found[arm]
+                pts = _stored_readings(row, summary, unit)
+                color = ARMS[arm].color
+                ax.plot([p[0] / 1000 for p in pts], [p[1] for p in pts], ls=":", marker="o",
+                        ms=4, color=color, label=arm)
+                for x, y, xs, ys in pts:
+                    width = max(2 * xs, 0.01 * x) / 1000  # a band, however alike the seeds
+                    ax.add_patch(Rectangle((x / 1000 - width / 2, y - ys), width, 2 * ys,
+                                           color=color, alpha=0.2, lw=0))
+            seeds = sorted({s for row, _ in found.values() for s in row["seeds"]})
+            summary = next(iter(summaries.get(split, [])), None)
+            if summary is not None:
+                budget = summary["token_budget" if unit == "tokens" else "forward_token_budget"]
+                ax.axvline(budget / 1000, color="grey", ls="--", lw=1)
+                ax.axhline(summary["base"]["accuracy"], color="grey", ls=":", lw=1)
+                ax.text(0.01, summary["base"]["accuracy"], " base model", fontsize=8,
+                        color="grey", transform=ax.get_yaxis_transform(), va="bottom")
+                ax.text(budget / 1000, 0.02, f" {summary['reference']}'s total", fontsize=8,
+                        color="grey", transform=ax.get_xaxis_transform())
+            ax.set_title(f"{split} split, seeds {seeds[0]}-{seeds[-1]}" if seeds else split)
+            ax.set_xlabel(name)
+            ax.set_ylabel("held-out strict accuracy")
+            ax.grid(alpha=0.3)
+    axes[1, 0].legend(fontsize=8, loc="lower right")
+    fig.suptitle("tiny-arith-think, update sizes tuned on val: accuracy at the tuned outcome's "
+                 "total and at the end, mean over seeds, bands: sd over seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def add_pairs_to_file(path):
+    """Recompute every pairwise comparison (`summary_pairs`) of each results.json summary
+    stored in the JSON file `path` (a docs/ file: {experiment: summary}) and write them in,
+    keeping the file's one-space indent; returns the experiments updated."""
+    data = json.loads(Path(path).read_text())
+    done = []
+    for name, summary in data.items():
+        if isinstance(summary, dict) and "rows" in summary:
+            summary["pairs"] = summary_pairs(summary)
+            done.append(name)
+    atomic_write_text(path, json.dumps(jsonable(data), indent=1, ensure_ascii=False) + "\n")
+    return done
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1125,6 +1300,8 @@ def _write_results(curves, base, out, prm_report, record, held_out_name, levels=
     (with `levels`, `_final_levels`' figures, a table of the final models level by level);
     `reference`: `summarise`'s reference arm."""
     summary = summarise(curves, base, reference)
+    if levels:
+        add_level_differences(summary["pairs"], levels)
     table = write_table(summary, base, out / "results.md", prm_report, held_out_name)
     if levels:
         if reference not in levels["runs"]:
