@@ -22,8 +22,13 @@ they run, they are clean, they match the package, their text agrees with their o
   the results read from docs/); the two link each other, and the exercises and diagrams are
   the tutorial's.
 - A measured number quoted in the text (a decimal such as 0.35, a percentage, a duration in
-  seconds) must be one the notebook prints (possibly rounded) or a literal of its code: text
-  written before the run, or left unchanged after a re-run, contradicts the outputs.
+  seconds) must be one the notebook prints (possibly rounded), a literal of its code, or one
+  held by a file the same cell links or names (`docs/...md`, `../README.md`): text written
+  before the run, or left unchanged after a re-run, contradicts the outputs. A quantity in
+  words or a multiple ("about a third", "one step in five", "two of three seeds", "2x") must
+  gloss such a number in its own sentence (or a paper's, cited there by arXiv number), and the
+  N of a "best-of-N", "pass@N" or "majority@N" must be one the notebook uses or the linked
+  file holds.
 - Every chapter notebook ends with an "Exercises" section of 2-3 exercises (headed
   `### Exercise N.k: ...`, or paragraphs led by `**N.k ...**`) and has a solutions notebook,
   notebooks/solutions/chNN_solutions.ipynb, that answers each under a `## N.k` heading.
@@ -178,8 +183,10 @@ def test_notebooks_extra_installs_jupyter():
     assert _requirement_names(["jupyterlab>=4.0", "ipykernel", "matplotlib ; python_version>'3'"]
                               ) == {"jupyterlab", "ipykernel", "matplotlib"}
     command = 'pip install -e ".[notebooks]"'
-    chapter2 = _read(NOTEBOOK_DIR / "ch02_model_and_generation.ipynb").cells[0].source
-    for where, text in (("README.md", (ROOT / "README.md").read_text()), ("ch02 cell 0", chapter2)):
+    cells = _read(NOTEBOOK_DIR / "ch02_model_and_generation.ipynb").cells
+    first_code = next(i for i, c in enumerate(cells) if c.cell_type == "code")
+    chapter2 = "\n".join(c.source for c in cells[:first_code])  # its introduction
+    for where, text in (("README.md", (ROOT / "README.md").read_text()), ("ch02 introduction", chapter2)):
         assert command in text and "jupyter lab notebooks/" in text, f"{where}: how to open them"
 
 
@@ -480,32 +487,115 @@ def _supported(value, decimals, percent, printed):
     return False
 
 
-def unsupported_numbers(nb, chapter=None):
-    """Quoted measured numbers of the markdown that no output prints and no code cell sets.
+# A quantity in words or a multiple: "half the tokens", "about a third", "twice the", "2x",
+# "1.7 times", "one step in five". It glosses a number, so the number must stand in the same
+# sentence (and be supported), or the sentence cites a paper (by arXiv number). "The first
+# half", "one half" and "twice that" are not measurements.
+WORD_QUANTITY = re.compile(
+    r"(?<![\w-])(?<!first )(?<!second )(?<!last )(?<!one )(?<!and a )"
+    r"(?:half|a third|two thirds|a quarter|three quarters|a fifth|a tenth|"
+    r"(?:twice|double|triple)(?= (?:the|as|its|their)\b)|\d+(?:\.\d+)?x|\d+\.\d+ times|"
+    r"one (?:(?!(?:was|is|were|are) )[\w-]+ ){0,2}in (?:two|three|four|five|six|seven|eight|"
+    r"nine|ten|\d+))(?![\w-])", re.I)
+# A count: "4 of the 10 problems", "two of three seeds". Both numbers must be integers the
+# notebook prints or runs (or the linked file holds), or the sentence must quote the figures
+# it counts.
+_WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+_N = r"(?:\d+|" + "|".join(_WORDS) + ")"
+COUNT_OF = re.compile(
+    rf"(?<![\w.-])(?P<a>{_N}) of (?:the |its |their )?(?P<b>{_N})"
+    r"(?= (?:seeds?|runs?|problems?|samples?|steps?|completions?|answers?|groups?|tokens?)\b)",
+    re.I)
+
+
+def _count_value(word):
+    return str(_WORDS.index(word.lower()) + 1) if word.lower() in _WORDS else word
+
+
+# The N of a sampling budget written into a name: best-of-32, pass@16, majority@8.
+BUDGET_NAME = re.compile(r"(?:best-of-|pass@|maj(?:ority)?@)(\d+)\b", re.I)
+# Files a cell links or names, whose numbers may be quoted: [text](../docs/x.md), `docs/x.json`.
+LINKED_FILE = re.compile(r"(?:\]\(|`|\b)((?:\.\./)?(?:docs/)?[\w./-]*\w\.(?:md|json))\b")
+SENTENCE_END = re.compile(r"(?<=[.;:!?])\s+(?=[A-Z(`*\[])|\n\s*\n|\n\s*[-*] |\n\s*\d+\. ")
+
+
+def _numbers(text):
+    """(value, decimals) of every number in `text`; "-" is a sign unless a digit or letter
+    precedes it ("20-5"), and 1,000 is one thousand."""
+    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
+    found = re.findall(rf"(?<![\w.])-?{NUMBER}|{NUMBER}", text)
+    return [(float(t), _decimals(t)) for t in found]
+
+
+def linked_files(markdown, where=NOTEBOOK_DIR):
+    """The text files of the repository that a markdown cell links or names."""
+    files = []
+    for m in LINKED_FILE.finditer(markdown):
+        name = m.group(1)
+        for base in (where, ROOT):
+            path = (base / name).resolve()
+            inside = ROOT in path.parents or Path(where).resolve() in path.parents
+            if path.is_file() and inside and path.suffix != ".ipynb":
+                files.append(path)
+                break
+    return files
+
+
+def _sentences(prose):
+    return [" ".join(s.split()) for s in SENTENCE_END.split(prose) if s.strip()]
+
+
+def unsupported_numbers(nb, chapter=None, where=NOTEBOOK_DIR):
+    """Quoted measured numbers of the markdown that no output prints, no code cell sets and
+    no file the cell links holds; quantities in words that gloss no such number in their
+    sentence; best-of-N budgets the notebook never uses.
 
     In chapter `chapter`'s notebooks, "6.2" is exercise or section 6.2, not a measurement.
     """
-    def numbers(text):  # "-" is a sign unless a digit or letter precedes it ("20-5")
-        found = re.findall(rf"(?<![\w.])-?{NUMBER}|{NUMBER}", text)
-        return [(float(t), _decimals(t)) for t in found]
-
-    printed = numbers(re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", _output_text(nb)))  # 1,000
-    literals = numbers("\n".join(_code_sources(nb)))
+    printed = _numbers(_output_text(nb))
+    literals = _numbers("\n".join(_code_sources(nb)))
     problems = []
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "markdown":
             continue
-        for text, value, decimals, percent in quoted_numbers(cell.source):
-            if chapter is not None and re.fullmatch(rf"{chapter}\.\d", text):
+        held = [n for f in linked_files(cell.source, where) for n in _numbers(f.read_text())]
+        support = printed + literals + held
+
+        def supported(quote):
+            text, value, decimals, percent = quote
+            return (chapter is not None and re.fullmatch(rf"{chapter}\.\d", text)) or \
+                _supported(value, decimals, percent, support)
+
+        for quote in quoted_numbers(cell.source):
+            if not supported(quote):
+                problems.append(f"markdown cell {i} quotes {quote[0]!r}, which no output prints")
+        sources = "\n".join([_output_text(nb), *_code_sources(nb),
+                             *(f.read_text() for f in linked_files(cell.source, where))])
+        counts = set(re.findall(r"(?<![\w.@-])\d+(?![\w.]\d*)", sources))  # not float32's 32
+        counts |= {m.group(1) for m in BUDGET_NAME.finditer(sources)}
+        prose = NOT_PROSE.sub(" ", cell.source)
+        for sentence in _sentences(prose):
+            glossed = "arxiv" in sentence.lower() or any(
+                supported(q) and q[2] > 0 for q in quoted_numbers(sentence))
+            if glossed:
                 continue
-            if not _supported(value, decimals, percent, printed + literals):
-                problems.append(f"markdown cell {i} quotes {text!r}, which no output prints")
+            for m in WORD_QUANTITY.finditer(sentence):
+                problems.append(f"markdown cell {i} quotes {m.group(0)!r}, which glosses "
+                                "no printed number in its sentence")
+            for m in COUNT_OF.finditer(sentence):
+                if {_count_value(m["a"]), _count_value(m["b"])} - counts:
+                    problems.append(f"markdown cell {i} quotes {m.group(0)!r}, a count no "
+                                    "output prints")
+        for m in BUDGET_NAME.finditer(cell.source):
+            if m.group(1) not in counts:
+                problems.append(f"markdown cell {i} quotes {m.group(0)!r}, which no output "
+                                "prints and no code runs")
     return problems
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_markdown_numbers_are_printed(path):
-    problems = unsupported_numbers(_read(path), _chapter(path))
+    problems = unsupported_numbers(_read(path), _chapter(path), path.parent)
     assert not problems, (
         f"{_name(path)}: " + "; ".join(problems)
         + " (write the text after the run, from the printed values)"
@@ -535,6 +625,27 @@ def test_number_check_flags_a_contradiction():
     assert all(p.startswith("markdown cell 2 ") for p in problems)
     nb.cells.append(nbformat.v4.new_markdown_cell("**5.2 Ties.** As in 5.1, then 4.2."))
     assert len(unsupported_numbers(nb, chapter=5)) == 5  # 5.1 and 5.2 are exercises, 4.2 not
+
+
+def test_number_check_flags_words_counts_and_budgets(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    code = nbformat.v4.new_code_cell("best_of_n(n=16)")
+    code.outputs = [nbformat.v4.new_output(
+        "stream", text="best-of-16 0.57, refinement 0.35 at 140 tokens; 4 of 10 right\n")]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "runs.md").write_text("| best-of-32 | 0.665 | 1032 |\n| 2 of 3 |\n")
+    md = nbformat.v4.new_markdown_cell
+    nb.cells = [code,
+                md("Refinement reaches 0.35, about a third of the way (arXiv 2410.08146 "
+                   "reports 2x). Right on 4 of the 10 problems."),  # glossed, cited, printed
+                md("It beats best-of-32 on about a third of its tokens, and misjudges one "
+                   "held-out step in five; 5 of the 10 problems; the first half is warm-up."),
+                md("In [docs/runs.md](docs/runs.md), best-of-32 reaches 0.665, twice the "
+                   "base; gamed in two of three seeds.")]
+    problems = unsupported_numbers(nb, where=tmp_path)
+    assert [p.split(" quotes ")[1].split(",")[0] for p in problems] == [
+        "'a third'", "'one held-out step in five'", "'5 of the 10'", "'best-of-32'"]
+    assert all(p.startswith("markdown cell 2 ") for p in problems)
 
 
 # --- every chapter ends with exercises, answered in a solutions notebook ----------------------
