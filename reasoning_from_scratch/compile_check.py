@@ -1,8 +1,8 @@
 """The first-use check of the compiled paths: before a training run trusts `torch.compile`'s
 decode step (`generate(compile=True)`, CUDA graphs on a GPU) and the update's compiled decoder
-blocks (`grpo.compiled_block`), it runs each once beside the eager code on its own model and
-prompts and compares the two, at the run's own precision (a bfloat16 sampler against itself
-run eagerly, the update's autocast against itself).
+blocks (`compiled_update.compiled_block`), it runs each once beside the eager code on its own
+model and prompts and compares the two, at the run's own precision (a bfloat16 sampler against
+itself run eagerly, the update's autocast against itself).
 
 What is compared, and within what:
 - decoding, as the run decodes: one batch greedily (the evaluation) and one sampled at the
@@ -39,8 +39,9 @@ import math
 
 import torch
 
+from .compiled_update import FixedShape, compiled_block, pad_to_shape
 from .generation import _nucleus_keep, _token_logprob, generate, row_uniforms
-from .grpo import FixedShape, compiled_block, pad_to_shape, token_logprobs_and_entropy
+from .grpo import token_logprobs_and_entropy
 from .qwen3 import KVCache
 
 __all__ = ["rounding_tolerance", "stepwise_rounding", "uniform_gaps", "check_decoding",
@@ -235,7 +236,8 @@ def _renamed(found: dict, what: str) -> dict:
 def _answer_hidden(model, input_ids, attention_mask, prompt_len, shape) -> torch.Tensor:
     """Final hidden states (B, T, C) at the positions that predict the completion tokens of
     input_ids (B, P + T), the batch padded to `shape` and its blocks compiled
-    (`grpo.pad_to_shape`, `grpo.compiled_block`: the update's path), or eager for None."""
+    (`compiled_update.pad_to_shape`, `compiled_update.compiled_block`: the update's path), or
+    eager for None."""
     B, L = input_ids.shape
     if shape is None:
         return model.forward_hidden(input_ids, attention_mask)[:, prompt_len - 1:-1]

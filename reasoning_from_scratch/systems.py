@@ -522,7 +522,7 @@ def check_compiled_paths(policy, trained, tokenizer, train_examples, eval_set, d
     report = {}
     if decode:
         found = check_decoding(policy, ids, mask, config.eval_tokens, stops,
-                               reference=None if trained is policy else trained)
+                               temperature=config.temperature, top_p=config.top_p)
         out = found.pop("output")
         report["decoding"] = found
     else:
@@ -571,11 +571,18 @@ def _check_line(report) -> str:
         parts.append(f"decoding {d['rows']} rows, {d['tokens']} tokens, "
                      f"{'equal to' if d['tokens_equal'] else 'apart from'} eager, max logit gap "
                      f"{d['max_logit_gap']:.3g} (tolerance {d['logit_tolerance']:.3g})")
+        if d.get("sampled"):
+            sd = d["sampled"]
+            parts.append(f"sampled: uniform gap {sd['max_uniform_gap']:.3g} (tolerance "
+                         f"{sd['uniform_tolerance']:.3g}), log-probs within "
+                         f"{sd['max_logprob_diff']:.3g} ({sd['logprob_tolerance']:.3g})")
     if "update" in report:
         u = report["update"]
         parts.append(u["skipped"] if "skipped" in u else
                      f"update log-probs of {u['rows']} rows within {u['max_logprob_diff']:.3g} "
-                     f"(tolerance {u['logprob_tolerance']:.3g})")
+                     f"(tolerance {u['logprob_tolerance']:.3g})"
+                     + (f", logits' RMS {u['logit_rms']:.3g} ({u['logit_rms_tolerance']:.3g})"
+                        if "logit_rms" in u else ""))
     return "; ".join(parts)
 
 

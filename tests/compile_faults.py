@@ -1,7 +1,8 @@
 """Faults a compiled path can have, injected on the CPU so that `compile_check` can be shown to
 catch them (tests/test_compile_check.py): each replaces the compiled decode step
-(`generation._compiled_step`) or the update's compiled block (`grpo._COMPILED_BLOCK`) with the
-eager code plus one fault, as a broken kernel, graph or weight refresh would run it.
+(`generation._compiled_step`) or the update's compiled block
+(`compiled_update._COMPILED_BLOCK`) with the eager code plus one fault, as a broken kernel,
+graph or weight refresh would run it.
 
 Decode step faults (`faulty_decode_step(monkeypatch, fault, ...)`):
 - "stale_uniforms": every step samples with the uniforms of the first call (a CUDA-graph input
@@ -21,7 +22,7 @@ import copy
 
 import torch
 
-from reasoning_from_scratch import generation, grpo
+from reasoning_from_scratch import compiled_update, generation
 
 DECODE_FAULTS = ("stale_uniforms", "runner_up", "scaled_block", "stale_layer", "position")
 UPDATE_FAULTS = ("scaled_block", "stale_layer", "position")
@@ -99,9 +100,9 @@ def _one_position_on(cos, sin, model):
 
 def faulty_update_block(monkeypatch, fault: str, model, old_layer=None, layer_index: int = 0,
                         from_col: int = 0) -> None:
-    """The update's compiled block (`grpo.compiled_block`) replaced by the eager block with
-    `fault` (module docstring); "position" moves the columns from `from_col` on (the padded
-    batch's completion: `FixedShape.prompt_cols`) one position on, against the prompt's (a
+    """The update's compiled block (`compiled_update.compiled_block`) replaced by the eager
+    block with `fault` (module docstring); "position" moves the columns from `from_col` on (the
+    padded batch's completion: `FixedShape.prompt_cols`) one position on, against the prompt's (a
     shift of every column alike would change nothing: rotary attention sees relative
     positions)."""
     assert fault in UPDATE_FAULTS, fault
@@ -117,12 +118,12 @@ def faulty_update_block(monkeypatch, fault: str, model, old_layer=None, layer_in
             cos, sin = (torch.cat([t[:, :from_col], s], dim=1) for t, s in zip((cos, sin), later))
         return block(x, cos, sin, attn_mask)
 
-    monkeypatch.setitem(grpo._COMPILED_BLOCK, "block", block_fn)
+    monkeypatch.setitem(compiled_update._COMPILED_BLOCK, "block", block_fn)
 
 
 def eager_update_block(monkeypatch) -> None:
     """The update's compiled block replaced by the eager block: a correct "compiled" path."""
-    monkeypatch.setitem(grpo._COMPILED_BLOCK, "block", grpo._run_block)
+    monkeypatch.setitem(compiled_update._COMPILED_BLOCK, "block", compiled_update._run_block)
 
 
 def one_update(model, sequences, lr: float):

@@ -19,10 +19,10 @@ from compile_faults import (
 from graph_replay import replay_decode_steps
 
 from reasoning_from_scratch import compile_check
+from reasoning_from_scratch.compiled_update import FixedShape
 from reasoning_from_scratch.generation import generate, left_pad, pick_token, stop_token_ids
-from reasoning_from_scratch.grpo import FixedShape
 from reasoning_from_scratch.prompts import render_prompt
-from reasoning_from_scratch.training import sampling_replica
+from reasoning_from_scratch.systems import sampling_replica
 from reasoning_from_scratch.weights import load_pretrained
 
 PROBLEMS = ["12+7", "3*4+5", "(8-3)*2", "45+17", "9*9", "100-37", "6+6+6", "14*3"]

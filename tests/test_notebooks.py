@@ -186,7 +186,8 @@ def test_notebooks_extra_installs_jupyter():
     cells = _read(NOTEBOOK_DIR / "ch02_model_and_generation.ipynb").cells
     first_code = next(i for i, c in enumerate(cells) if c.cell_type == "code")
     chapter2 = "\n".join(c.source for c in cells[:first_code])  # its introduction
-    for where, text in (("README.md", (ROOT / "README.md").read_text()), ("ch02 introduction", chapter2)):
+    readme = (ROOT / "README.md").read_text()
+    for where, text in (("README.md", readme), ("ch02 introduction", chapter2)):
         assert command in text and "jupyter lab notebooks/" in text, f"{where}: how to open them"
 
 
@@ -561,7 +562,7 @@ def unsupported_numbers(nb, chapter=None, where=NOTEBOOK_DIR):
         held = [n for f in linked_files(cell.source, where) for n in _numbers(f.read_text())]
         support = printed + literals + held
 
-        def supported(quote):
+        def supported(quote, support=support):
             text, value, decimals, percent = quote
             return (chapter is not None and re.fullmatch(rf"{chapter}\.\d", text)) or \
                 _supported(value, decimals, percent, support)
