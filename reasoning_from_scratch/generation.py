@@ -25,6 +25,42 @@ fed to training forward passes (GRPO), and inference-mode tensors cannot be save
 Both decode loops call `interrupts.poll_for_stop()` every STOP_CHECK_EVERY tokens: inside a
 training run's rollout or evaluation phase that is where a stop signal agreed by every process
 abandons the phase (distributed.AgreedStop); anywhere else it does nothing.
+
+`generate`'s arguments in detail:
+
+- Rows stop independently at EOS (kept in the completion); later slots hold `pad_token_id`
+  (default: the first EOS id, else 0) and are masked. Decoding ends when every row has
+  finished or after `max_new_tokens`.
+- `num_return_sequences=G`: the prompt is prefilled once and the cache expanded to G rows per
+  prompt (rows b*G..b*G+G-1 belong to prompt b). `generator`: one torch.Generator, or B of
+  them, generator b drawing for prompt b's G rows (`row_uniforms`).
+- `callback(new_tokens (B*,), is_real (B*,))`, if given, is called after every step (used for
+  streaming). `return_logprobs` records log softmax(logits / T) of every chosen token (T =
+  temperature, 1 for greedy; before top-p/top-k, the distribution the trainer sees).
+- `cache`: continue an existing KVCache (multi-turn chat): `input_ids` are then only the new
+  tokens, prefilled on top of what it holds; on return it also holds every generated token but
+  the last (which is never fed back). None (default): a fresh cache per call.
+- `preallocate`: the fresh cache allocates its keys/values once, for P + max_new_tokens slots,
+  and each step writes in place (`KVCache(max_len=...)`) instead of concatenating (O(T^2)
+  copying); identical tokens. On a CPU both ran at the same speed within noise
+  (benchmarks/bench_generation.py, tiny and 0.6B size, up to 416 cached positions); it is the
+  default for its one allocation per call instead of one per step and layer. A given
+  preallocated `cache` is grown once, up front, to hold this call's tokens too.
+- `compile`: decode with one static, compiled step (`_generate_static`: fixed-shape cache
+  buckets, sampling inside the step, EOS checked by the host every CHECK_EVERY tokens): the
+  same tokens as eager under the same uniforms (the logits agree up to float rounding of fused
+  kernels), faster steps once compiled, but each new shape bucket compiles first (seconds on a
+  CPU). A given `cache` then holds the prompt only; a `callback` decodes eagerly.
+  `compile_decoding(None, device)` turns it on for CUDA (launch-bound decode steps: the step's
+  kernels run as one CUDA graph) and off elsewhere (on a CPU the small matmuls, the same
+  compiled or not, dominate a step; see docs/speed.md for the measurements).
+
+The sampler (`pick_token`) samples by inverse transform: the first token whose cumulative mass
+reaches u ~ U(0, total], one random number per row (cheaper than torch.multinomial on a CPU);
+u > 0 guarantees the chosen token has non-zero probability, and it works on unnormalised,
+filtered probabilities. With top-p it samples in sorted order and maps the index back (the
+filter of `top_p_filter` without its scatter and renormalisation), and skips the sort when
+top_p is 1.
 """
 
 from __future__ import annotations
@@ -97,7 +133,7 @@ class Rollouts:
 
     @property
     def prompt_len(self) -> int:
-        return self.prompt_ids.numel()
+        return self.prompt_ids.numel()  # P
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -149,17 +185,10 @@ def row_uniforms(n: int, generator: Generators, device) -> torch.Tensor:
                       for g in generator])
 
 
-def sample_next_token(
-    logits: torch.Tensor,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int | None = None,
-    generator: Generators = None,
-) -> torch.Tensor:
-    """Pick one token per row from logits (B, V): argmax if temperature == 0, else sample.
-
-    `generator`: one torch.Generator, or k of them for B/k rows each (see `row_uniforms`).
-    """
+def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
+                      top_k: int | None = None, generator: Generators = None) -> torch.Tensor:
+    """One token per row (B,) of logits (B, V): argmax if temperature == 0, else sampled;
+    `generator`: one torch.Generator, or k of them for B/k rows each (see `row_uniforms`)."""
     if _greedy(temperature):
         return logits.argmax(dim=-1)
     r = row_uniforms(logits.shape[0], generator, logits.device)  # (B, 1)
@@ -167,19 +196,15 @@ def sample_next_token(
 
 
 def _greedy(temperature: float | None) -> bool:
+    """Temperature 0 (or None) means argmax."""
     return temperature is None or temperature <= 0.0
 
 
-def pick_token(
-    logits: torch.Tensor,
-    r: torch.Tensor | None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int | None = None,
-) -> torch.Tensor:
+def pick_token(logits: torch.Tensor, r: torch.Tensor | None, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int | None = None) -> torch.Tensor:
     """The token (B,) that `sample_next_token` picks from logits (B, V) given its uniforms r
-    (B, 1) in [0, 1) (None when greedy): a pure function of its inputs, so the compiled decode
-    step runs it on the device with the uniforms drawn outside, and both paths agree."""
+    (B, 1) in [0, 1) (None when greedy): a pure function, so that the compiled decode step runs
+    it with the uniforms drawn outside, and both paths agree (module notes: the sampler)."""
     if _greedy(temperature):
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature  # (B, V)
@@ -188,14 +213,10 @@ def pick_token(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # (B, V)
     sorted_idx = None
-    if top_p is not None and top_p < 1.0:
-        # Same filter as `top_p_filter`, but sample in sorted order and map the index back:
-        # saves the scatter and the renormalisation. Skipped (no sort) when top_p is 1.
+    if top_p is not None and top_p < 1.0:  # top_p_filter's filter, in sorted order
         probs, sorted_idx = torch.sort(probs, dim=-1, descending=True)
         probs = probs * _nucleus_keep(probs, top_p)
-    # Inverse-transform sampling: the first token whose cumulative mass reaches u ~ U(0, total].
-    # One random number per row (cheaper than torch.multinomial on CPU); u > 0 guarantees the
-    # chosen token has non-zero probability. Works on unnormalised, filtered probabilities.
+    # Inverse transform: the first token whose cumulative mass reaches u ~ U(0, total].
     cdf = probs.cumsum(dim=-1)  # (B, V)
     u = (1.0 - r) * cdf[:, -1:]  # (B, 1)
     choice = torch.searchsorted(cdf, u)  # (B, 1)
@@ -321,10 +342,8 @@ def _compiled_step(model, device: torch.device) -> Callable[..., None]:
 
 
 def compile_decoding(compile: bool | None, device) -> bool:
-    """Whether to decode with the compiled step: `compile`, or for None the default per device,
-    on for CUDA (launch-bound decode steps: the step's kernels run as one CUDA graph) and off
-    elsewhere (on a CPU the small matmuls, the same compiled or not, dominate a step; see
-    docs/speed.md for the measurements)."""
+    """Whether to decode with the compiled step: `compile`, or for None on CUDA only (module
+    notes: `compile`)."""
     return torch.device(device).type == "cuda" if compile is None else bool(compile)
 
 
@@ -567,6 +586,7 @@ def warm_up_decoding(model, shapes: Sequence[tuple[int, int]], max_new_tokens: i
 
 
 def _eos_tensor(eos_token_id, device) -> torch.Tensor | None:
+    """The stop ids as a (K,) long tensor, None for no stop id."""
     if eos_token_id is None:
         return None
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -574,113 +594,77 @@ def _eos_tensor(eos_token_id, device) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def generate(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int | None = None,
-    eos_token_id: int | Sequence[int] | None = None,
-    generator: Generators = None,
-    num_return_sequences: int = 1,
-    pad_token_id: int | None = None,
-    callback: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-    return_logprobs: bool = False,
-    cache: KVCache | None = None,
-    preallocate: bool = True,
-    compile: bool = False,
-) -> GenerationOutput:
-    """Batched KV-cache decoding of `input_ids` (B, P), left padded per `attention_mask`.
-
-    Rows stop independently at EOS (kept in the completion); later slots hold `pad_token_id`
-    (default: the first EOS id, else 0) and are masked. Decoding ends when every row has
-    finished or after `max_new_tokens`. With `num_return_sequences=G` the prompt is prefilled
-    once and the cache expanded to G rows per prompt (rows b*G..b*G+G-1 belong to prompt b).
-    `generator`: one torch.Generator, or B of them, generator b drawing for prompt b's G rows
-    (`row_uniforms`).
-    `callback(new_tokens (B*,), is_real (B*,))`, if given, is called after every step
-    (used for streaming). `return_logprobs` records log softmax(logits / T) of every chosen token
-    (T = temperature, 1 for greedy; before top-p/top-k, the distribution the trainer sees).
-    `cache`: continue an existing KVCache (multi-turn chat): `input_ids` are then only the new
-    tokens, prefilled on top of what it holds; on return it also holds every generated token but
-    the last (which is never fed back). None (default): a fresh cache per call.
-    `preallocate`: the fresh cache allocates its keys/values once, for P + max_new_tokens
-    slots, and each step writes in place (`KVCache(max_len=...)`) instead of concatenating
-    (O(T^2) copying); identical tokens. On a CPU both ran at the same speed within noise
-    (benchmarks/bench_generation.py, tiny and 0.6B size, up to 416 cached positions); it is the
-    default for its one allocation per call instead of one per step and layer. A given
-    preallocated `cache` is grown once, up front, to hold this call's tokens too.
-    `compile`: decode with one static, compiled step (`_generate_static`: fixed-shape cache
-    buckets, sampling inside the step, EOS checked by the host every CHECK_EVERY tokens): the
-    same tokens as eager under the same uniforms (the logits agree up to float rounding of
-    fused kernels), faster steps once compiled, but each new shape bucket compiles first
-    (seconds on a CPU). A given `cache` then holds the prompt only; a `callback` decodes
-    eagerly.
-    """
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+             generator: Generators = None, num_return_sequences: int = 1,
+             pad_token_id: int | None = None,
+             callback: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+             return_logprobs: bool = False, cache: KVCache | None = None,
+             preallocate: bool = True, compile: bool = False) -> GenerationOutput:
+    """Batched KV-cache decoding of `input_ids` (B, P), left padded per `attention_mask`, G =
+    `num_return_sequences` samples per prompt sharing one prefill -> B* = B*G rows; each row
+    stops at its EOS. The arguments in detail: the module docstring."""
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be a non-empty (B, P) tensor, got {input_ids.shape}")
     dev = input_ids.device
-    G = num_return_sequences
     eos = _eos_tensor(eos_token_id, dev)
     if pad_token_id is None:
         pad_token_id = int(eos[0]) if eos is not None else 0
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
     attention_mask = attention_mask.to(device=dev, dtype=torch.bool)
-    prompts = input_ids.repeat_interleave(G, dim=0) if G > 1 else input_ids
-    BG = prompts.shape[0]
-
-    if max_new_tokens <= 0:
-        completion_ids = prompts.new_zeros(BG, 0)
-        completion_mask = torch.zeros(BG, 0, dtype=torch.bool, device=dev)
-        logps, finished = torch.zeros(BG, 0, device=dev), torch.zeros(BG, dtype=torch.bool,
-                                                                      device=dev)
-    elif compile and callback is None:
-        completion_ids, completion_mask, logps, finished = _generate_static(
-            model, input_ids, attention_mask, cache, G, max_new_tokens, temperature, top_p,
+    G = num_return_sequences
+    prompts = input_ids.repeat_interleave(G, dim=0) if G > 1 else input_ids  # (B*, P)
+    args = (model, input_ids, attention_mask, cache, G, max_new_tokens, temperature, top_p,
             top_k, eos, pad_token_id, generator, return_logprobs)
+    if max_new_tokens <= 0:
+        ids, mask, logps, finished = _no_new_tokens(prompts)
+    elif compile and callback is None:  # the fast path: one compiled, fixed-shape decode step
+        ids, mask, logps, finished = _generate_static(*args)
     else:
-        if cache is None:
-            cache = KVCache(model.cfg.num_hidden_layers, max_len=0 if preallocate else None)
-        # Room for the prompt and every fed-back token: no decoding step re-allocates.
-        cache.reserve(cache.seq_len + input_ids.shape[1] + max_new_tokens)
-        completion_ids, completion_mask, logps, finished = _generate_eager(
-            model, input_ids, attention_mask, cache, G, max_new_tokens, temperature, top_p,
-            top_k, eos, pad_token_id, generator, return_logprobs, callback)
+        ids, mask, logps, finished = _generate_eager(*args, callback, preallocate)
     return GenerationOutput(
-        sequences=torch.cat([prompts, completion_ids], dim=1),
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        lengths=completion_mask.sum(dim=1),
+        sequences=torch.cat([prompts, ids], dim=1),
+        completion_ids=ids,
+        completion_mask=mask,
+        lengths=mask.sum(dim=1),
         truncated=~finished,
-        logprobs=logps * completion_mask if return_logprobs else None,
+        logprobs=logps * mask if return_logprobs else None,
     )
 
 
+def _no_new_tokens(prompts: torch.Tensor):
+    """`generate`'s result for max_new_tokens <= 0: (ids, mask, logps) (B*, 0), finished (B*,)."""
+    BG, dev = prompts.shape[0], prompts.device
+    return (prompts.new_zeros(BG, 0), torch.zeros(BG, 0, dtype=torch.bool, device=dev),
+            torch.zeros(BG, 0, device=dev), torch.zeros(BG, dtype=torch.bool, device=dev))
+
+
 def _generate_eager(model, input_ids, attention_mask, cache, G, max_new_tokens, temperature,
-                    top_p, top_k, eos, pad_token_id, generator, return_logprobs, callback):
-    """`generate`'s eager loop -> (ids (B*, T), mask (B*, T), logps (B*, T), finished (B*,)):
+                    top_p, top_k, eos, pad_token_id, generator, return_logprobs, callback,
+                    preallocate):
+    """`generate`'s plain loop -> (ids (B*, T), mask (B*, T), logps (B*, T), finished (B*,)):
     one forward per token over the filled part of `cache`, stopping as soon as every row has
     finished (checked after every token)."""
-    tokens: list[torch.Tensor] = []
-    real: list[torch.Tensor] = []
-    logps: list[torch.Tensor] = []
+    if cache is None:
+        cache = KVCache(model.cfg.num_hidden_layers, max_len=0 if preallocate else None)
+    cache.reserve(cache.seq_len + input_ids.shape[1] + max_new_tokens)  # no step re-allocates
     logits = model(input_ids, attention_mask, cache, last_only=True)[:, -1]  # (B, V)
     if G > 1:
         cache.expand(G)  # G rollouts share this prefill
-        logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
+        logits = logits.repeat_interleave(G, dim=0)  # (B*, V)
     finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    tokens, real, logps = [], [], []  # per step (B*,)
     for step in range(max_new_tokens):
         if step % STOP_CHECK_EVERY == 0:
             poll_for_stop()  # a stop agreed by every process abandons the phase here
         nxt = sample_next_token(logits, temperature, top_p, top_k, generator)  # (B*,)
         if return_logprobs:
             logps.append(_token_logprob(logits, nxt, temperature))
-        is_real = ~finished
+        is_real = ~finished  # finished rows keep flowing through the batch as masked padding
         nxt = torch.where(is_real, nxt, torch.full_like(nxt, pad_token_id))
         tokens.append(nxt)
         real.append(is_real)
@@ -690,7 +674,6 @@ def _generate_eager(model, input_ids, attention_mask, cache, G, max_new_tokens, 
             callback(nxt, is_real)
         if step == max_new_tokens - 1 or (eos is not None and bool(finished.all())):
             break
-        # Finished rows keep flowing through the batch but as masked padding.
         logits = _decode_logits(model, nxt[:, None], is_real[:, None], cache)  # (B*, V)
     mask = torch.stack(real, dim=1)  # (B*, T)
     return (torch.stack(tokens, dim=1), mask,
@@ -770,81 +753,43 @@ def left_pad(encoded: list[list[int]], pad_token_id: int | None):
 
 
 def _generate_from_texts(model, tokenizer, prompts, device, num_return_sequences, **sampling):
-    """Encode and left-pad `prompts`, `generate`, decode -> (encoded, GenerationOutput, texts).
-
-    Texts keep special tokens (so `<think>` stays visible) and drop the EOS that ended a row.
-    """
+    """Encode and left-pad `prompts`, `generate`, decode -> (encoded, GenerationOutput, texts);
+    texts keep special tokens (so `<think>` stays visible) and drop the EOS that ended a row."""
     encoded = [tokenizer.encode(p) for p in prompts]
     input_ids, attention_mask = left_pad(encoded, getattr(tokenizer, "pad_token_id", None))
-    out = generate(
-        model,
-        input_ids.to(device),
-        attention_mask.to(device),
-        eos_token_id=stop_token_ids(tokenizer),
-        num_return_sequences=num_return_sequences,
-        **sampling,
-    )
-    texts = [
-        _decode_completion(tokenizer, ids, m, bool(t))
-        for ids, m, t in zip(out.completion_ids, out.completion_mask, out.truncated)
-    ]
+    out = generate(model, input_ids.to(device), attention_mask.to(device),
+                   eos_token_id=stop_token_ids(tokenizer),
+                   num_return_sequences=num_return_sequences, **sampling)
+    texts = [_decode_completion(tokenizer, ids, m, bool(t))
+             for ids, m, t in zip(out.completion_ids, out.completion_mask, out.truncated)]
     return encoded, out, texts
 
 
-def sample_rollouts_batch(
-    model,
-    tokenizer,
-    prompts: list[str],
-    num_rollouts: int,
-    device,
-    max_new_tokens: int = 512,
-    temperature: float = 0.8,
-    top_p: float = 0.9,
-    top_k: int | None = None,
-    generator: Generators = None,
-    return_logprobs: bool = False,
-    compile: bool = False,
-) -> list[Rollouts]:
-    """G completions of each of N prompts, all decoded as one (N*G)-row batch.
-
-    Each prompt is prefilled once (left padded among the N) and its cache row repeated G times,
-    so a GRPO step with several prompts runs one decoding loop instead of N. `return_logprobs`:
-    each Rollouts also carries the sampler's token log-probs (see `generate`). `generator`: one
-    for the whole batch, or N (one per prompt, drawing for its G rows): then a prompt's
-    rollouts are the same whichever prompts share the batch (data-parallel GRPO). `compile`:
-    `generate`'s compiled decode step (the same tokens).
-    """
+def sample_rollouts_batch(model, tokenizer, prompts: list[str], num_rollouts: int, device,
+                          max_new_tokens: int = 512, temperature: float = 0.8,
+                          top_p: float = 0.9, top_k: int | None = None,
+                          generator: Generators = None, return_logprobs: bool = False,
+                          compile: bool = False) -> list[Rollouts]:
+    """G = num_rollouts completions of each of N prompts, decoded as one (N*G)-row batch: each
+    prompt prefilled once (left padded among the N), its cache row repeated G times.
+    `return_logprobs`: each Rollouts carries the sampler's token log-probs (see `generate`).
+    `generator`: one for the whole batch, or N (one per prompt, drawing for its G rows): then a
+    prompt's rollouts are the same whichever prompts share the batch (data-parallel GRPO).
+    `compile`: `generate`'s compiled decode step (the same tokens)."""
     encoded, out, texts = _generate_from_texts(
-        model,
-        tokenizer,
-        prompts,
-        device,
-        num_rollouts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        generator=generator,
-        return_logprobs=return_logprobs,
-        compile=compile,
-    )
+        model, tokenizer, prompts, device, num_rollouts, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, generator=generator,
+        return_logprobs=return_logprobs, compile=compile)
     groups = []
     for n, ids in enumerate(encoded):
-        rows = slice(n * num_rollouts, (n + 1) * num_rollouts)
-        lengths = out.lengths[rows]
+        rows = slice(n * num_rollouts, (n + 1) * num_rollouts)  # prompt n's G rows
+        lengths = out.lengths[rows]  # (G,)
         T = int(lengths.max()) if lengths.numel() else 0  # drop columns only other groups used
         completion_ids, mask = out.completion_ids[rows, :T], out.completion_mask[rows, :T]
-        groups.append(
-            Rollouts(
-                prompt_ids=torch.tensor(ids, dtype=torch.long, device=device),
-                completion_ids=completion_ids,
-                completion_mask=mask,
-                texts=texts[rows],
-                lengths=lengths,
-                truncated=out.truncated[rows],
-                logprobs=None if out.logprobs is None else out.logprobs[rows, :T],
-            )
-        )
+        logprobs = None if out.logprobs is None else out.logprobs[rows, :T]  # (G, T)
+        prompt_ids = torch.tensor(ids, dtype=torch.long, device=device)  # (P,)
+        groups.append(Rollouts(prompt_ids, completion_ids, mask, texts[rows], lengths,
+                               out.truncated[rows], logprobs))
     return groups
 
 

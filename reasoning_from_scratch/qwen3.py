@@ -25,6 +25,32 @@ The module tree mirrors Hugging Face ``Qwen3ForCausalLM`` attribute for attribut
   block's input and recomputes the block's insides in the backward pass (Chen et al., 2016,
   "Training Deep Nets with Sublinear Memory Cost"; ``torch.utils.checkpoint``).
 
+Notes on the code that every forward pass runs:
+
+- Precision (``at_least_float32``): squares, softmaxes and log-softmaxes are computed in float32,
+  or in the input's own dtype where that is wider: bf16 loses too much precision there, and a
+  float64 model (the equivalence tests) keeps all of its precision instead of rounding to
+  float32 midway.
+- Positions and masks (``Qwen3Model.forward_hidden``): the rotary position of a token is the
+  number of real tokens before it in its row, so left padding shifts nothing. Without padding
+  and without a cache the attention mask is None, and SDPA runs its fastest, causal kernel.
+  Otherwise a left-pad query would see no key at all (softmax over nothing is NaN), so such rows
+  attend everywhere: their outputs are never used and, being padding, they are masked out as
+  keys for every real token.
+- Grouped-query attention calls SDPA with ``enable_gqa``: query head h reads key/value head
+  h // group_size, what ``k.repeat_interleave(group_size, dim=1)`` would give, without copying
+  the whole cache every decoding step (tests compare it with the explicit repeat).
+- The fast paths sit beside the plain one, in functions that a plain forward pass never calls:
+  ``forward_hidden(block_fn=...)`` (the training path's compiled block) and
+  ``activation_checkpointing`` go through ``Qwen3Model._block``; a ``StaticKVCache`` (the
+  compiled decode step, ``decode_static``) switches attention to ``one_query_attention``.
+- ``KVCache`` with ``max_len``: without a ``reserve`` a cache that runs out of room grows
+  geometrically (to at least twice its slots), so single-token steps re-allocate O(log T)
+  times, not every step. ``expand`` repeats rows with ``index_select`` rather than
+  ``repeat_interleave``: the latter returns a view (of its own copy), and torch.compile guards
+  views differently from the plain tensors the decoding steps produce, so the compiled decode
+  step would be compiled twice.
+
 The book's protocol works on the same classes (docs/book_compatibility.md): ``Qwen3Model``
 also takes the book's config dict (``QWEN_CONFIG_06_B``: ``emb_dim``, ``n_layers``, ...), its
 ``cfg`` answers the book's keys (``model.cfg["n_layers"]``), ``load_state_dict`` also accepts
@@ -297,9 +323,7 @@ def tiny_config(vocab_size: int = 256, **overrides) -> Qwen3Config:
 
 
 def at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """x in float32, or in its own dtype where that is wider: bf16 squares, softmaxes and
-    log-softmaxes lose too much precision, and a float64 model (the equivalence tests) keeps
-    all of its precision instead of rounding to float32 midway."""
+    """x in float32, or in its own dtype where that is wider (module notes: precision)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
@@ -336,10 +360,8 @@ def compute_rope_params(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                offset: int = 0) -> torch.Tensor:
-    """Rotate x (B, H, T, D) by per-token angles; cos/sin are (B, T, D) or a (L, D) table.
-
-    A (L, D) table gives token t the angles of position offset + t (the book's form).
-    """
+    """Rotate x (B, H, T, D) by per-token angles cos/sin (B, T, D), or by a (L, D) table from
+    position `offset` on (the book's form)."""
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads: (B, 1, T, D)
     else:
@@ -347,8 +369,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         cos, sin = cos[offset : offset + T], sin[offset : offset + T]  # (T, D)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)  # "rotate_half"
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # "rotate_half"
     return x * cos + rotated * sin
 
 
@@ -394,15 +415,11 @@ class GroupedQueryAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # (B, T, C)
-        cos: torch.Tensor,  # (B, T, D)
-        sin: torch.Tensor,  # (B, T, D)
-        attn_mask: torch.Tensor | None,  # (B, 1, T, S) bool, True = may attend
-        cache: KVCache | None = None,
-        layer_idx: int = 0,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None, cache: KVCache | None = None,
+                layer_idx: int = 0) -> torch.Tensor:
+        """x (B, T, C), cos/sin (B, T, D), attn_mask (B, 1, T, S) bool (True = may attend; None:
+        causal) -> (B, T, C); the new keys/values go to layer `layer_idx` of `cache`."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
@@ -411,12 +428,9 @@ class GroupedQueryAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)  # (B, H_kv, S, D)
-        if isinstance(cache, StaticKVCache):
+        if isinstance(cache, StaticKVCache):  # the compiled decode step
             out = one_query_attention(q, k, v, attn_mask)  # (B, H, 1, D)
-        else:
-            # Query head h uses key/value head h // group_size. `enable_gqa` does exactly what
-            # `k.repeat_interleave(group_size, dim=1)` would, without copying the whole cache
-            # every decoding step (tests compare it with the explicit repeat).
+        else:  # enable_gqa: query head h reads key/value head h // group_size, no copy
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=True
             )  # (B, H, T, D)
@@ -479,8 +493,7 @@ class KVCache:
 
     def __init__(self, num_layers: int | None = None, max_len: int | None = None, *,
                  n_layers: int | None = None):
-        if num_layers is None:
-            num_layers = n_layers  # the book's keyword
+        num_layers = n_layers if num_layers is None else num_layers  # the book's keyword
         if num_layers is None:
             raise TypeError("KVCache needs num_layers (or the book's n_layers)")
         if max_len is not None and max_len < 0:
@@ -514,11 +527,8 @@ class KVCache:
         return None if self.key_mask is None else self.key_mask.shape[0]
 
     def update(self, layer_idx: int, k, v: torch.Tensor | None = None):
-        """Append new keys/values (B, H_kv, T, D) of one layer; return the full ones.
-
-        The book's form ``update(layer_idx, (keys, values))`` (one argument) instead sets the
-        layer's full keys/values, as its own attention code does; it returns nothing.
-        """
+        """Append new keys/values (B, H_kv, T, D) of one layer; return the full ones. The book's
+        one-argument form ``update(layer_idx, (keys, values))`` sets them and returns None."""
         if v is None:
             self.keys[layer_idx], self.values[layer_idx] = k
             return None
@@ -551,22 +561,18 @@ class KVCache:
         return self.keys[i], self.values[i]
 
     def _make_room(self, i: int, k: torch.Tensor, v: torch.Tensor, end: int) -> None:
-        """(Re-)allocate layer i's buffers unless they hold `end` slots of rows like `k`."""
+        """(Re-)allocate layer i's buffers, holding its filled slots, unless they have `end`
+        slots of rows like `k`; the caller then writes and views them."""
         buf = self._key_buffers[i]
         if (buf is not None and buf.shape[2] >= end and buf.shape[0] == k.shape[0]
                 and buf.dtype == k.dtype and buf.device == k.device):
             return
-        if end > self.max_len:
-            # Out of room without a `reserve`: grow geometrically, so that single-token steps
-            # re-allocate O(log T) times, not every step.
+        if end > self.max_len:  # out of room without a `reserve`: grow geometrically
             self.max_len = max(end, 2 * self.max_len)
-        empty_k, empty_v = k[:, :, :0], v[:, :, :0]  # (B, H_kv, 0, D) templates
-        filled_k = empty_k if self.keys[i] is None else self.keys[i]
-        filled_v = empty_v if self.values[i] is None else self.values[i]
-        self._key_buffers[i], self.keys[i] = _buffer_holding(filled_k, self.max_len)
-        self._value_buffers[i], self.values[i] = _buffer_holding(filled_v, self.max_len)
-        if filled_k is empty_k:  # nothing was held: keep the "empty" marker
-            self.keys[i] = self.values[i] = None
+        filled_k = k[:, :, :0] if self.keys[i] is None else self.keys[i]  # (B, H_kv, S, D)
+        filled_v = v[:, :, :0] if self.values[i] is None else self.values[i]
+        self._key_buffers[i] = _buffer_holding(filled_k, self.max_len)[0]
+        self._value_buffers[i] = _buffer_holding(filled_v, self.max_len)[0]
 
     # ----- the book's protocol: get / update(layer_idx, (k, v)) / get_all / reset -----------
     @property
@@ -590,11 +596,8 @@ class KVCache:
         self.key_mask = self.next_pos = None
 
     def reserve(self, n: int) -> None:
-        """Preallocated cache: make room for `n` slots now, so no later step re-allocates.
-
-        Re-allocates (copying the filled part) at most once; a no-op when the buffers are
-        already large enough or the cache grows by torch.cat.
-        """
+        """Preallocated cache: room for `n` slots now (the filled part copied once), so no later
+        step re-allocates; a no-op when there is room already or the cache grows by torch.cat."""
         if self.max_len is None or n <= self.max_len:
             return
         self.max_len = n
@@ -707,22 +710,14 @@ class StaticKVCache:
 
 
 def _repeat_rows(x: torch.Tensor, G: int) -> torch.Tensor:
-    """Row b of x -> rows b*G..b*G+G-1, as a new tensor.
-
-    `x.repeat_interleave(G, dim=0)` gives the same values but returns a view (of its own
-    copy), and torch.compile guards views differently from the plain tensors that the decoding
-    steps produce: the compiled decode step would be compiled twice.
-    """
+    """Row b of x -> rows b*G..b*G+G-1, as a new tensor, not a view (module notes: KVCache)."""
     rows = torch.arange(x.shape[0], device=x.device).repeat_interleave(G)  # (B*G,)
     return x.index_select(0, rows)
 
 
 def _buffer_holding(filled: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A new (B, H_kv, slots, D) buffer whose first S slots hold `filled` (B, H_kv, S, D).
-
-    Returns (buffer, view of its first S slots). The other slots are left uninitialised: only
-    the filled part is ever read.
-    """
+    """(new buffer (B, H_kv, slots, D), view of its first S slots) holding `filled` (B, H_kv, S,
+    D); the other slots are left uninitialised: only the filled part is ever read."""
     B, H, S, D = filled.shape
     buffer = filled.new_empty(B, H, slots, D)
     buffer[:, :, :S] = filled
@@ -830,82 +825,50 @@ class Qwen3Model(nn.Module):
             self.rope_cos, self.rope_sin = cos, sin
         return self.rope_cos, self.rope_sin
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
         """Logits (B, T, V) for the new tokens; (B, 1, V) of the last token if `last_only`."""
         h = self.forward_hidden(input_ids, attention_mask, cache)  # (B, T, C)
         if last_only:
             h = h[:, -1:]  # with left padding the last slot is real for every row
         return self.lm_head(h)
 
-    def forward_hidden(
-        self,
-        input_ids: torch.Tensor,  # (B, T) new tokens
-        attention_mask: torch.Tensor | None = None,  # (B, T) 1 real, 0 left padding
-        cache: KVCache | None = None,
-        block_fn: Callable | None = None,
-    ) -> torch.Tensor:
-        """Final-normed hidden states (B, T, C), i.e. the lm_head input.
-
+    def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                       cache: KVCache | None = None,
+                       block_fn: Callable | None = None) -> torch.Tensor:
+        """Final-normed hidden states (B, T, C), the lm_head input, of the new tokens input_ids
+        (B, T), left padded where attention_mask (B, T) is 0, on top of what `cache` holds.
         block_fn(block, x, cos, sin, attn_mask) -> x, if given, runs each decoder block instead
-        of calling it (no cache): the training path's compiled block (`grpo.compiled_block`).
-        """
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
-        if block_fn is not None and cache is not None:
-            raise ValueError("forward_hidden: block_fn runs the blocks without a cache")
+        of calling it (no cache): the training path's compiled block (`grpo.compiled_block`)."""
+        _check_inputs(input_ids, attention_mask, cache, block_fn)
         B, T = input_ids.shape
         dev = input_ids.device
         past = 0 if cache is None else cache.seq_len
-        if cache is not None and past and cache.batch_size != B:
-            raise ValueError(f"input_ids has {B} rows but the KVCache holds {cache.batch_size}")
-
         if attention_mask is None:
             new_mask = torch.ones(B, T, dtype=torch.bool, device=dev)
         else:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(
-                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
-                    f"{tuple(input_ids.shape)} (it covers the new tokens only)"
-                )
             new_mask = attention_mask.to(device=dev, dtype=torch.bool)
         if past:
-            past_mask, past_pos = cache.key_mask, cache.next_pos
+            past_mask, past_pos = cache.key_mask, cache.next_pos  # (B, S - T), (B,)
         else:
             past_mask = torch.zeros(B, 0, dtype=torch.bool, device=dev)
             past_pos = torch.zeros(B, dtype=torch.long, device=dev)
-
-        # Position of each token = number of real tokens before it in its row.
         m = new_mask.long()
-        positions = past_pos[:, None] + m.cumsum(dim=-1) - m  # (B, T)
+        positions = past_pos[:, None] + m.cumsum(dim=-1) - m  # (B, T) real tokens before
         key_mask = torch.cat([past_mask, new_mask], dim=1)  # (B, S)
-        S = past + T
-
-        if past == 0 and (attention_mask is None or bool(new_mask.all())):
-            attn_mask = None  # plain causal attention: lets SDPA pick its fastest kernel
-        else:
-            q_idx = torch.arange(past, S, device=dev)
-            k_idx = torch.arange(S, device=dev)
-            causal = k_idx[None, :] <= q_idx[:, None]  # (T, S)
-            attn_mask = causal[None] & key_mask[:, None, :]  # (B, T, S)
-            # A left-pad query sees no key at all, and softmax over nothing is NaN. Let such
-            # rows attend everywhere: their outputs are never used and, being padding
-            # themselves, they are masked out as keys for every real token.
-            attn_mask = attn_mask | ~attn_mask.any(dim=-1, keepdim=True)
-            attn_mask = attn_mask[:, None]  # (B, 1, T, S) broadcast over heads
-
-        # Positions never exceed S - 1, so this bound needs no device sync.
-        cos_table, sin_table = self._rope_tables(S)
+        causal_only = past == 0 and (attention_mask is None or bool(new_mask.all()))
+        attn_mask = None if causal_only else _attention_mask(key_mask, past)  # (B, 1, T, S)
+        cos_table, sin_table = self._rope_tables(past + T)  # positions < S: no device sync
         cos, sin = cos_table[positions], sin_table[positions]  # (B, T, D)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
-        for i, layer in enumerate(self.model.layers):
-            x = self._block(layer, x, cos, sin, attn_mask, cache, i, block_fn)
+        checkpointing = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
+        if block_fn is None and not checkpointing:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, attn_mask, cache, i)
+        else:  # the fast paths: compiled blocks, activation checkpointing
+            for i, layer in enumerate(self.model.layers):
+                x = self._block(layer, x, cos, sin, attn_mask, cache, i, block_fn)
         if cache is not None:
             cache.key_mask = key_mask
             cache.next_pos = past_pos + m.sum(dim=-1)
@@ -951,6 +914,35 @@ class Qwen3Model(nn.Module):
         cache.next_pos.add_(is_real.long())
         cache.pos.add_(1)
         return self.lm_head(self.model.norm(x))[:, -1]  # (R, V)
+
+
+def _check_inputs(input_ids, attention_mask, cache, block_fn) -> None:
+    """`Qwen3Model.forward_hidden`'s argument checks."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+    if block_fn is not None and cache is not None:
+        raise ValueError("forward_hidden: block_fn runs the blocks without a cache")
+    B = input_ids.shape[0]
+    if cache is not None and cache.seq_len and cache.batch_size != B:
+        raise ValueError(f"input_ids has {B} rows but the KVCache holds {cache.batch_size}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+            f"{tuple(input_ids.shape)} (it covers the new tokens only)"
+        )
+
+
+def _attention_mask(key_mask: torch.Tensor, past: int) -> torch.Tensor:
+    """(B, 1, T, S) bool, True = may attend: the T = S - past new tokens' queries see the real
+    keys of key_mask (B, S) up to their own slot; a query that sees none (a left-pad token)
+    sees every key instead (module notes: positions and masks)."""
+    S = key_mask.shape[1]
+    q_idx = torch.arange(past, S, device=key_mask.device)
+    k_idx = torch.arange(S, device=key_mask.device)
+    causal = k_idx[None, :] <= q_idx[:, None]  # (T, S)
+    attn_mask = causal[None] & key_mask[:, None, :]  # (B, T, S)
+    attn_mask = attn_mask | ~attn_mask.any(dim=-1, keepdim=True)
+    return attn_mask[:, None]  # (B, 1, T, S) broadcast over heads
 
 
 # --------------------------------------------------------------------------------------
