@@ -77,11 +77,6 @@ KL_ESTIMATORS = ("k3", "sequence")  # per-token k3 (DeepSeekMath), the book's se
 # Advantages
 # ----------------------------------------------------------------------------------------------
 
-def _equal_rows(x):
-    """(N, 1) bool: rows whose values are all exactly equal (no signal; as `normalize_pool`)."""
-    return (x == x[:, :1]).all(dim=1, keepdim=True)
-
-
 def compute_advantage_stats(rewards_list):
     """Book chapter 7: group-normalised advantages (r - mean) / (std + 1e-4), their mean and std.
 
@@ -118,7 +113,8 @@ def group_advantages(rewards, scale_rewards="group", eps=1e-4):
         adv = centred / (rewards.std(dim=1, keepdim=True) + eps)  # (N, 1) group std
     else:
         adv = centred / (rewards.std() + eps)  # numel >= 2 since G >= 2
-    return adv.masked_fill(_equal_rows(rewards), 0.0)
+    equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # (N, 1): no signal
+    return adv.masked_fill(equal, 0.0)
 
 
 def group_advantages_multi(reward_components, weights=None, scale_rewards="group",
@@ -198,13 +194,12 @@ def _logprob_entropy_chunk(head, h, targets, with_entropy, temperature=1.0):
 def token_logprobs_and_entropy(model, input_ids, attention_mask=None, prompt_len=None,
                                completion_mask=None, chunk_size=1024, with_entropy=True,
                                temperature=1.0, fixed_shape: FixedShape | None = None):
-    """Per-token answer log-probs and entropies (B, Tc) of softmax(logits / T), 0 outside
-    `completion_mask`. input_ids (B, L): prompts left-padded to `prompt_len`, then completions.
-    fixed_shape: the compiled update's padded forward pass (compiled_update.py)."""
+    """Per-token log-probs and entropies (B, Tc) of softmax(logits / T) of the answers in
+    input_ids (B, L) (prompts left-padded to `prompt_len`); fixed_shape: compiled_update.py."""
     B, L = input_ids.shape
     if not temperature > 0 or prompt_len is None or not 1 <= prompt_len <= L:
-        raise ValueError(f"need temperature > 0 and prompt_len in [1, {L}], got "
-                         f"{temperature}, {prompt_len}")
+        raise ValueError(f"need temperature > 0, prompt_len in [1, {L}]: {temperature}, "
+                         f"{prompt_len}")
     if completion_mask is None:
         completion_mask = torch.ones(B, L - prompt_len, dtype=torch.bool, device=input_ids.device)
     if completion_mask.shape != (B, L - prompt_len):
@@ -252,10 +247,9 @@ def k3_kl(logp, ref_logp):
 
 
 def clipped_surrogate(logp, old_logp, advantages, epsilon=0.2, epsilon_high=None):
-    """PPO objective to maximise, per element: min(r A, clip(r, 1 - eps, 1 + eps_high) A) with
-    r = exp(logp - old_logp) (PPO eq. 7; the module docstring says why the min acts on ratios).
-    epsilon None: no clipping (book chapter 6); epsilon_high (DAPO clip-higher) defaults to
-    epsilon. Advantages (B, 1) broadcast over (B, T)."""
+    """PPO's objective per element, min(r A, clip(r, 1 - eps, 1 + eps_high) A), r = exp(logp -
+    old_logp) (PPO eq. 7; module docstring). epsilon None: no clip (book ch. 6); epsilon_high
+    (DAPO clip-higher) defaults to epsilon. Advantages (B, 1) broadcast over (B, T)."""
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     if epsilon is None:
@@ -273,10 +267,9 @@ _AGGREGATION = {"grpo": "grpo", "dapo": "dapo", "dr_grpo": "dr_grpo", "sequence"
 
 
 def aggregate_loss(per_token_loss, mask, loss_type="grpo", max_completion_length=None):
-    """Reduce a (B, T) per-token loss over the real tokens in `mask` to a scalar. grpo: mean over
-    each sequence's tokens, then over sequences (DeepSeekMath eq. 3); dapo: mean over the batch's
-    tokens (DAPO 3.3); dr_grpo: sum / (B x max_completion_length) (Dr. GRPO 3.1); sequence: sum
-    per sequence, mean over sequences (the book's). Normalisers >= 1: an empty mask gives 0."""
+    """(B, T) per-token loss -> scalar over `mask`. grpo: mean per sequence, then over sequences
+    (DeepSeekMath eq. 3); dapo: mean over tokens (DAPO 3.3); dr_grpo: sum / (B x max length)
+    (Dr. GRPO 3.1); sequence: sum per sequence, mean over them (the book's). Empty mask: 0."""
     if per_token_loss.shape != mask.shape or loss_type not in _AGGREGATION:
         raise ValueError(f"per_token_loss {tuple(per_token_loss.shape)} and mask "
                          f"{tuple(mask.shape)} must match, loss_type in {LOSS_TYPES}, got "
@@ -309,13 +302,9 @@ def _as_column(advantages, logp):
 def policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsilon=0.2,
                 epsilon_high=None, ref_logp=None, beta=0.0, entropy=None, entropy_coef=0.0,
                 max_completion_length=None, sampler_logp=None):
-    """GRPO's loss: -clipped surrogate + beta x k3 KL - entropy_coef x entropy, and statistics.
-
-    logp/old_logp/ref_logp/entropy (B, T) per token, mask (B, T) answer tokens, advantages (B,)
-    per completion or (B, T) per token (process supervision). loss_type: grpo, dapo or dr_grpo
-    (`aggregate_loss`; the others are variants.py's). sampler_logp: unused (on-policy, it needs
-    none). Returns {"loss": tensor, pg_loss, kl, entropy, ratio_mean, ratio_max, clip_frac_low,
-    clip_frac_high, ...} (floats)."""
+    """GRPO's loss -clipped surrogate + beta x k3 KL - entropy_coef x entropy, and statistics:
+    {"loss": tensor, pg_loss, kl, entropy, ratio_mean, ...}. logp, old_logp, ref_logp, entropy
+    and mask (B, T); advantages (B,) or (B, T). sampler_logp: unused (needed by variants)."""
     if loss_type not in TOKEN_LOSS_TYPES:
         raise ValueError(f"policy_loss takes loss_type in {TOKEN_LOSS_TYPES}, got {loss_type!r} "
                          "(the others: variants.clipped_policy_loss)")
@@ -341,9 +330,8 @@ ON_POLICY_STATS = {"tis_weight_mean": 1.0, "off_policy_mask_frac": 0.0}
 
 
 def loss_terms(pg_loss, kl, beta, entropy, entropy_coef, mask, loss_type, max_completion_length):
-    """{"loss": pg_loss + beta x kl - entropy_coef x entropy bonus, pg_loss, kl, entropy}: kl
-    None for no KL term; the entropy logged is the mean per answer token, the bonus reduces like
-    the loss type."""
+    """{"loss": pg_loss + beta x kl - entropy_coef x entropy bonus, pg_loss, kl (None: no KL
+    term), entropy (logged: the mean per answer token; the bonus reduces like the loss)}."""
     loss = pg_loss if kl is None else pg_loss + beta * kl
     ent = torch.zeros((), device=pg_loss.device)
     if entropy is not None:
@@ -357,8 +345,7 @@ def loss_terms(pg_loss, kl, beta, entropy, entropy_coef, mask, loss_type, max_co
 
 
 def ratio_stats(ratio, adv, count, loss_type, epsilon, high):
-    """Mean and max ratio and the fractions clipped low and high, over the counted tokens (or
-    sequences); ratio statistics None when nothing counts."""
+    """Mean and max ratio, fractions clipped low and high, over the counted tokens (or rows)."""
     zero = torch.zeros_like(ratio)
     if epsilon is None:
         low, hi = zero, zero
@@ -367,10 +354,9 @@ def ratio_stats(ratio, adv, count, loss_type, epsilon, high):
     else:  # where the clipped side of PPO's pessimistic min is active
         low = ((ratio < 1 - epsilon) & (adv < 0)).to(ratio.dtype)
         hi = ((ratio > 1 + high) & (adv > 0)).to(ratio.dtype)
-    n = count.sum()
-    nothing = not bool(n > 0)
-    return {"ratio_mean": None if nothing else ((ratio * count).sum() / n).item(),
-            "ratio_max": None if nothing else ratio[count > 0].max().item(),
+    n = count.sum()  # nothing counted: ratio statistics None
+    return {"ratio_mean": ((ratio * count).sum() / n).item() if n > 0 else None,
+            "ratio_max": ratio[count > 0].max().item() if n > 0 else None,
             "clip_frac_low": ((low * count).sum() / n.clamp(min=1)).item(),
             "clip_frac_high": ((hi * count).sum() / n.clamp(min=1)).item()}
 
@@ -436,11 +422,8 @@ class RolloutBatch:
 
 
 def pack_rollouts(prompts_ids, completion_ids, completion_masks, pad_id=0):
-    """Left-pad prompts and right-pad completions so all completions start at the same column.
-
-    prompts_ids: N 1-D prompt tensors; completion_ids/completion_masks: N (G_i, T_i) tensors.
-    Returns input_ids (B, L), attention_mask (B, L) or None, prompt_len, completion_mask (B, Tc).
-    """
+    """N groups -> input_ids (B, L), attention_mask (B, L) or None, prompt_len, completion_mask
+    (B, Tc): prompts (1-D each) left-padded, completions (G_i, T_i) right-padded."""
     P = max(p.shape[0] for p in prompts_ids)
     Tc = max(c.shape[1] for c in completion_ids)
     rows, attn, cmask = [], [], []
@@ -463,12 +446,9 @@ def pack_rollouts(prompts_ids, completion_ids, completion_masks, pad_id=0):
 
 def _batch_advantages(groups, rewards, reward_fn, scale_rewards, reward_normalization,
                       gather_groups):
-    """Outcome advantages (N, G) of `collect_rollouts`' groups: GRPO's group-normalised rewards,
-    or, with per-reward normalisation or batch scaling over processes, `_wide_advantages`."""
-    if reward_normalization not in REWARD_NORMALIZATIONS:
-        raise ValueError(f"reward_normalization must be one of {REWARD_NORMALIZATIONS}, "
-                         f"got {reward_normalization!r}")
-    if reward_normalization == "per_reward" or (gather_groups and scale_rewards == "batch"):
+    """Outcome advantages (N, G): the rewards normalised in their group (GRPO), else (GDPO,
+    batch scaling over processes) `_wide_advantages`."""
+    if reward_normalization != "sum" or (gather_groups and scale_rewards == "batch"):
         return _wide_advantages(groups, rewards, reward_fn, scale_rewards, reward_normalization,
                                 gather_groups)
     return group_advantages(rewards.float(), scale_rewards)
@@ -479,6 +459,9 @@ def _wide_advantages(groups, rewards, reward_fn, scale_rewards, reward_normaliza
     """Advantages that look beyond one group: GDPO's per-term normalisation and batch scaling
     over every process's groups (`gather_groups`: x (N, ...) -> (x of all N_all groups, this
     process's start)), as one process holding every group would compute them."""
+    if reward_normalization not in REWARD_NORMALIZATIONS:
+        raise ValueError(f"reward_normalization must be one of {REWARD_NORMALIZATIONS}, "
+                         f"got {reward_normalization!r}")
     per_reward = reward_normalization == "per_reward"
     if per_reward:  # GDPO: each (gated) term normalised in its group
         paid = [[reward_fn.paid(s[1]) for s in scored] for _, _, scored in groups]  # N x G x K
@@ -540,8 +523,7 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
 
 
 def _samples(groups, advantages):
-    """One dict per rollout (samples.jsonl and the metrics): its problem, text, rewards,
-    advantage, length and prompt tokens."""
+    """One dict per rollout (samples.jsonl, the metrics): text, rewards, advantage, length."""
     return [{"problem": ex["problem"], "answer": ex["answer"], "text": ro.texts[g],
              "reward": scored[g][0], **scored[g][1], "advantage": advantages[i, g].item(),
              "length": int(ro.lengths[g]), "prompt_tokens": ro.prompt_len,
@@ -556,20 +538,22 @@ def _empty_batch(device, **stats) -> RolloutBatch:
 
 
 def _pack_groups(rollouts, mask_truncated, record_logprobs, pad_id, device, advantages, stats):
-    """The kept groups' rollouts packed into one RolloutBatch (`pack_rollouts`), with their
-    advantages (B,) and, if recorded, the sampler's log-probs (B, Tc)."""
+    """The kept groups packed, with their advantages (B,) and the sampler's log-probs."""
     masks = [ro.completion_mask.bool() & ~ro.truncated.bool().to(ro.completion_mask.device)[:, None]
              if mask_truncated else ro.completion_mask.bool() for ro in rollouts]
     input_ids, attention_mask, prompt_len, completion_mask = pack_rollouts(
         [ro.prompt_ids for ro in rollouts], [ro.completion_ids for ro in rollouts], masks,
         pad_id=pad_id)
-    sampler_logp = None
-    if record_logprobs:  # right-padded with 0 like the completions
-        Tc = completion_mask.shape[1]
-        sampler_logp = torch.cat([F.pad(ro.logprobs, (0, Tc - ro.logprobs.shape[1]))
-                                  for ro in rollouts]).to(device)
+    sampler_logp = _sampler_logprobs(rollouts, completion_mask.shape[1], device) \
+        if record_logprobs else None
     return RolloutBatch(input_ids, attention_mask, prompt_len, completion_mask,
                         advantages.to(device), sampler_logp=sampler_logp, **stats)
+
+
+def _sampler_logprobs(rollouts, Tc, device):
+    """The sampler's token log-probs (B, Tc), right-padded with 0 like the completions."""
+    return torch.cat([F.pad(ro.logprobs, (0, Tc - ro.logprobs.shape[1]))
+                      for ro in rollouts]).to(device)
 
 
 def _process_advantages(batch, groups, keep, advantages, advantage_fn, skip_zero_advantage):
@@ -642,8 +626,7 @@ def concat_rollout_batches(batches: list[RolloutBatch], pad_id=0) -> RolloutBatc
 # ----------------------------------------------------------------------------------------------
 
 def step_prompts(examples, step, config):
-    """The prompts of a step: a seeded reshuffle every epoch, so a step's prompts never depend on
-    how the run got there (resume needs no data-loader state)."""
+    """A step's prompts: a seeded reshuffle per epoch (a resume needs no loader state)."""
     n, k = len(examples), config.prompts_per_step
     out = []
     for pos in range(step * k, step * k + k):
@@ -654,14 +637,12 @@ def step_prompts(examples, step, config):
 
 
 def rollout_seed(seed, step, index):
-    """The sampling seed of prompt `index` of step `step`: distinct for every (step, index) below
-    a million each, so no two prompts of a run share a random stream."""
+    """Prompt `index` of step `step`'s seed: no two (step, index) below 10**6 share one."""
     return ((seed * 1_000_003 + step) * 1_000_033 + index) % 2**63
 
 
 def rollout_generators(device, seed, step, indices):
-    """One sampling generator per prompt index of a step: a prompt's rollouts are the same
-    however the run got there and whichever process samples it, alone or with other prompts."""
+    """A generator per prompt: its rollouts are the same whoever samples it, with whatever."""
     dev = torch.device(device)
     gen_device = dev if dev.type == "cuda" else torch.device("cpu")
     return [torch.Generator(device=gen_device).manual_seed(rollout_seed(seed, step, i))
@@ -672,22 +653,12 @@ def rollout_generators(device, seed, step, indices):
 # Micro-batches: their weights and statistics
 # ----------------------------------------------------------------------------------------------
 
-def micro_batch_weight(mb, batch, loss_type, totals=None):
-    """Scale of a micro-batch's loss so the accumulated gradient equals the whole batch's;
-    totals: (rollouts, answer tokens) of the step (several processes; default: `batch`'s)."""
-    rows, tokens = (batch.size, float(batch.completion_mask.sum())) if totals is None else totals
-    if loss_type in ("dapo", "cispo"):  # token mean over the whole batch
-        return float(mb.completion_mask.sum()) / max(1.0, tokens)
-    return mb.size / max(1, rows)  # per-sequence means and dr_grpo's constant divisor
-
-
-def stat_weight(mb, totals, loss_type):
-    """A micro-batch's share of the batch's statistics (means over answer tokens, or over
-    completions for the sequence-level losses)."""
-    rows, tokens = totals
-    if loss_type in SEQUENCE_LOSS_TYPES:
-        return mb.size / rows
-    return float(mb.completion_mask.sum()) / max(1.0, tokens)
+def micro_batch_weights(mb, totals, loss_type):
+    """(loss weight, statistics weight) of a micro-batch, its shares of the whole batch's
+    (rollouts, answer tokens) `totals`: the accumulated gradient is then the batch's."""
+    rows, share = totals[0], float(mb.completion_mask.sum()) / max(1.0, totals[1])
+    w = share if loss_type in ("dapo", "cispo") else mb.size / max(1, rows)  # token / row mean
+    return w, mb.size / rows if loss_type in SEQUENCE_LOSS_TYPES else share
 
 
 MEAN_STATS = ("entropy", "ratio_mean", "clip_frac_low", "clip_frac_high", "tis_weight_mean",
@@ -695,8 +666,7 @@ MEAN_STATS = ("entropy", "ratio_mean", "clip_frac_low", "clip_frac_high", "tis_w
 
 
 def add_stats(sums, out, loss, w, w_stat):
-    """Add a micro-batch's loss statistics to `sums`: loss, pg_loss, kl weighted like its loss,
-    the means by `w_stat`, ratio_max the maximum."""
+    """Add a micro-batch's statistics to `sums` (weighted as its loss, or by `w_stat`)."""
     sums["loss"] = sums.get("loss", 0.0) + loss.item() * w
     for k in ("pg_loss", "kl"):
         sums[k] = sums.get(k, 0.0) + out[k] * w
@@ -725,8 +695,7 @@ def mean_over_epochs(epochs):
 
 def batch_logprobs(model, batch: RolloutBatch, chunk_size=1024, with_entropy=True,
                    temperature=1.0, fixed_shape: FixedShape | None = None):
-    """Per-token (log-probs, entropies) (B, Tc) of a packed batch under `model` at `temperature`
-    (`fixed_shape`: see `token_logprobs_and_entropy`)."""
+    """Per-token (log-probs, entropies) (B, Tc) of a packed batch under `model`."""
     return token_logprobs_and_entropy(model, batch.input_ids, batch.attention_mask,
                                       batch.prompt_len, batch.completion_mask, chunk_size,
                                       with_entropy, temperature, fixed_shape)
@@ -734,9 +703,8 @@ def batch_logprobs(model, batch: RolloutBatch, chunk_size=1024, with_entropy=Tru
 
 def loss_on_batch(model, batch: RolloutBatch, old_logp, ref_logp, loss_fn, chunk_size=1024,
                   temperature=1.0, fixed_shape: FixedShape | None = None) -> dict:
-    """Stage 5 on a (micro-)batch: its log-probs with gradients, then `loss_fn` (the run's loss,
-    `variants.loss_function`). old_logp None: the batch was sampled by the current policy, so
-    the old log-probs are the current ones detached (ratio exactly 1; one forward pass saved)."""
+    """Stage 5 on a (micro-)batch: log-probs with gradients, then the run's `loss_fn`. old_logp
+    None: sampled by this policy, so pi_old is pi detached (ratio 1, a forward pass saved)."""
     logp, entropy = batch_logprobs(model, batch, chunk_size, True, temperature, fixed_shape)
     old = logp.detach() if old_logp is None else old_logp
     out = loss_fn(logp, old, batch.advantages, batch.completion_mask, ref_logp=ref_logp,
@@ -751,5 +719,5 @@ __all__: Sequence[str] = [
     "sequence_logprob_and_entropy", "token_logprobs_and_entropy", "k3_kl", "clipped_surrogate",
     "aggregate_loss", "policy_loss", "RolloutBatch", "pack_rollouts", "collect_rollouts",
     "concat_rollout_batches", "batch_logprobs", "step_prompts", "rollout_generators",
-    "micro_batch_weight", "loss_on_batch",
+    "micro_batch_weights", "loss_on_batch",
 ]

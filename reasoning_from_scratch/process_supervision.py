@@ -42,6 +42,27 @@ DECODE_COST_KEYS = ("mc_generated_tokens",)
 FORWARD_COST_KEYS = ("forward_tokens",)
 
 
+# Process supervision: `process.step_statistics` figure -> metrics.csv column ("proc_": of the
+# reasoning steps, not the optimizer step), pooled over every completion of the step; empty in
+# outcome runs, and where a figure has nothing to average (no completion with an error step).
+PROCESS_COLUMNS = {"steps_per_completion": "proc_steps_per_completion",
+                   "step_reward_mean": "proc_step_reward_mean",
+                   "step_correct_rate": "proc_step_correct_rate",
+                   "first_error_step": "proc_first_error_step",
+                   "error_free_rate": "proc_error_free_rate"}
+
+
+def process_metrics(samples: list[dict]) -> dict:
+    """The PROCESS_COLUMNS cells of a GRPO step: `step_statistics` of the step rewards of all
+    its completions together ({} when none has any: outcome supervision). The samples are the
+    whole step's (every process, every sampling round), so N processes log what one would."""
+    rewards = [s["step_rewards"] for s in samples if "step_rewards" in s]
+    if not rewards:
+        return {}
+    stats = step_statistics(rewards)
+    return {col: stats[k] for k, col in PROCESS_COLUMNS.items() if not math.isnan(stats[k])}
+
+
 def scorer_tokens(advantage_fn, keys=DECODE_COST_KEYS) -> int:
     """Tokens spent so far by a process step scorer, summed over the cost keys `keys`: by default
     the tokens it sampled (Monte-Carlo continuations), with `FORWARD_COST_KEYS` the tokens it

@@ -315,6 +315,9 @@ class StepRun(RunDir):
                         correct=f"{row.get('correct_mean', 0):.2f}",
                         acc=f"{self.last_eval['accuracy']:.2f}")
         print_line(self.config, row_line(row))
+        if row["skipped"]:
+            print_line(self.config, f"step {row['step']}: non-finite loss or gradient, update "
+                                    "skipped")
         if self.bad_steps >= MAX_BAD_STEPS:
             self._stop_after_bad_steps()
         if self.eval_pending:

@@ -70,13 +70,12 @@ from .grpo import (
     collect_rollouts,
     concat_rollout_batches,
     loss_on_batch,
-    micro_batch_weight,
+    micro_batch_weights,
     rollout_generators,
-    stat_weight,
     step_prompts,
     token_logprobs_and_entropy,
 )
-from .process_supervision import FORWARD_COST_KEYS, scorer_tokens
+from .process_supervision import FORWARD_COST_KEYS, process_metrics, scorer_tokens
 from .run_dir import print_line
 from .tokenizer import pad_id_of
 from .variants import extra_prompts, loss_function
@@ -285,13 +284,13 @@ def general_update(model, optimizer, batch, old_logp, ref_logp, config, loss_fn=
             if not parallel:
                 break
             loss = loss * 0.0  # FSDP/DDP: the backward still runs everywhere; no update
-        w = micro_batch_weight(mb, batch, config.loss_type, totals)
+        w, w_stat = micro_batch_weights(mb, totals, config.loss_type)
         if loss.requires_grad:  # a micro-batch without loss tokens (all masked) has no graph
             (loss * w).backward()
         elif replicated:  # DDP's reduction needs every parameter's gradient
             dummy_backward(net)
         if finite_:
-            add_stats(sums, out, loss, w, stat_weight(mb, totals, config.loss_type))
+            add_stats(sums, out, loss, w, w_stat)
     return _step_if_finite(model, optimizer, config, all_ranks(finite_), _reduce_loss_stats(sums))
 
 
@@ -424,10 +423,11 @@ def general_rollouts(model, tokenizer, examples, device, config, reward_fn, adva
         *counts[2:]])
     branch = {"branch_rows": int(rows), "branch_correct_rate": right / drawn if drawn else None} \
         if config.branch_rollouts else {}
-    return _with_step_statistics(batch, shares), {
+    batch = _with_step_statistics(batch, shares)
+    return batch, {
         "t0": t0, "rollout_s": time.time() - t0, "sampling_rounds": len(batches),
         "scorer_tokens": int(scorer), "scorer_forward_tokens": int(scorer_forward),
-        "branch": branch}
+        "metrics": {**process_metrics(batch.samples), **branch}}
 
 
 def _branches(model, tokenizer, batch, advantage_fn, config, device, prompts):

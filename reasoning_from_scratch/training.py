@@ -69,22 +69,20 @@ from .grpo import (
     collect_rollouts,
     loss_on_batch,
     mean_over_epochs,
-    micro_batch_weight,
+    micro_batch_weights,
     rollout_generators,
-    stat_weight,
     step_prompts,
 )
 from .interrupts import DEFAULT_STOP_SIGNALS, defer_interrupts, polling_stops, stop_signal_names
-from .process import CREDIT_CONTROLS, LOCAL_STEP_WEIGHT, VARIANTS, step_statistics
+from .process import CREDIT_CONTROLS, LOCAL_STEP_WEIGHT, VARIANTS
 from .process_supervision import (
-    FORWARD_COST_KEYS,
+    PROCESS_COLUMNS,
     make_process_advantage_fn,
-    scorer_tokens,
 )
 from .prompts import render_prompt
 from .rewards import build_reward
 from .run_dir import StepRun, eval_line, print_line, start_run, stop_if_interrupted
-from .systems import SystemsLayer, systems_layer
+from .systems import SystemsLayer, general_rollout_stage, systems_layer
 from .tracking import report_problem, report_targets
 from .validation import (
     at_least,
@@ -100,14 +98,6 @@ from .validation import (
 from .variants import clipped_policy_loss, loss_function
 from .weights import save_pretrained
 
-# Process supervision: `process.step_statistics` figure -> metrics.csv column ("proc_": of the
-# reasoning steps, not the optimizer step), pooled over every completion of the step; empty in
-# outcome runs, and where a figure has nothing to average (no completion with an error step).
-PROCESS_COLUMNS = {"steps_per_completion": "proc_steps_per_completion",
-                   "step_reward_mean": "proc_step_reward_mean",
-                   "step_correct_rate": "proc_step_correct_rate",
-                   "first_error_step": "proc_first_error_step",
-                   "error_free_rate": "proc_error_free_rate"}
 METRIC_COLUMNS = [
     "step", "loss", "pg_loss", "kl", "reward_mean", "reward_std", "correct_mean", "format_mean",
     "adv_mean", "adv_std", "zero_adv_frac", "entropy", "ratio_mean", "ratio_max",
@@ -438,17 +428,6 @@ def rollout_metrics(batch: RolloutBatch, reward_names):
     return out
 
 
-def process_metrics(samples: list[dict]) -> dict:
-    """The PROCESS_COLUMNS cells of a process-supervised step: `step_statistics` of the step
-    rewards of all its completions together ({} when none has any). The samples are the whole
-    step's (every process, every sampling round), so N processes log what one would."""
-    rewards = [s["step_rewards"] for s in samples if "step_rewards" in s]
-    if not rewards:
-        return {}
-    stats = step_statistics(rewards)
-    return {col: stats[k] for k, col in PROCESS_COLUMNS.items() if not math.isnan(stats[k])}
-
-
 def plot_columns(config) -> list[str]:
     """The metrics.png panels of a run: PLOT_COLUMNS, plus PROCESS_PLOT_COLUMNS when process
     supervised."""
@@ -491,29 +470,19 @@ class Step:
 def rollout_stage(s: Step, step: int):
     """Stages 1-3 of step `step`: its prompts' rollouts sampled, rewarded and turned into
     group-relative advantages, packed into one batch (grpo.collect_rollouts). Returns (batch,
-    cost): the clock and the process scorer's tokens."""
+    cost); process supervision's is systems.general_rollout_stage (its hook and scorer)."""
     t0, c = time.time(), s.config
-    before = _scorer_cost(s)
     prompts = step_prompts(s.examples, step, c)
     batch = collect_rollouts(
         s.policy, s.tokenizer, prompts, s.device, s.reward_fn, num_rollouts=c.num_rollouts,
         max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
         generator=rollout_generators(s.device, c.seed, step, range(len(prompts))),
         scale_rewards=c.scale_rewards, skip_zero_advantage=c.skip_zero_advantage,
-        mask_truncated=c.mask_truncated, prompt_fn=s.prompt_fn, advantage_fn=s.advantage_fn,
+        mask_truncated=c.mask_truncated, prompt_fn=s.prompt_fn,
         record_logprobs=c.tis_cap is not None or c.off_policy_mask_threshold is not None,
         reward_normalization=c.reward_normalization, compile=s.compiled_decoding)
-    after = _scorer_cost(s)
     return batch, {"t0": t0, "rollout_s": time.time() - t0, "sampling_rounds": 1,
-                   "scorer_tokens": after[0] - before[0],
-                   "scorer_forward_tokens": after[1] - before[1]}
-
-
-def _scorer_cost(s: Step) -> tuple[int, int]:
-    """(sampled, read) tokens a process step scorer has spent so far; (0, 0) without one."""
-    if s.advantage_fn is None:
-        return 0, 0
-    return scorer_tokens(s.advantage_fn), scorer_tokens(s.advantage_fn, FORWARD_COST_KEYS)
+                   "scorer_tokens": 0, "scorer_forward_tokens": 0}
 
 
 def update_stage(s: Step, batch: RolloutBatch, step: int, cost: dict, hook) -> dict:
@@ -525,8 +494,6 @@ def update_stage(s: Step, batch: RolloutBatch, step: int, cost: dict, hook) -> d
     for group in s.optimizer.param_groups:
         group["lr"] = lr
     row = {"step": step + 1, "lr": lr, **rollout_metrics(batch, s.reward_names)}
-    if c.supervision == "process":
-        row.update(process_metrics(batch.samples))
     if s.total([batch.size])[0]:  # 0: every group of the step had equal rewards
         # Stage 4: log-probs of the frozen reference and (inner epochs) of the sampling policy
         s.model.eval()
@@ -542,8 +509,6 @@ def update_stage(s: Step, batch: RolloutBatch, step: int, cost: dict, hook) -> d
         if s.after_update is not None:
             s.after_update(s.model)  # the next rollouts sample from the new weights
         row.update(epochs[0] if len(epochs) == 1 else mean_over_epochs(epochs))
-        if row["skipped"]:
-            print_line(c, f"step {step + 1}: non-finite loss or gradient, update skipped")
     else:
         row.update(loss=0.0, pg_loss=0.0, kl=0.0, skipped=0)
     return {**row, **step_costs(s, batch, cost, t1)}
@@ -559,9 +524,8 @@ def logprobs(model, batch: RolloutBatch, config):
 
 
 def update(model, optimizer, batch: RolloutBatch, old_logp, ref_logp, config, loss_fn=None):
-    """Stage 5: one AdamW step on a batch's loss, micro-batched (each micro-batch's loss scaled
-    by its share of the batch, so the accumulated gradient is the whole batch's). Skipped, the
-    weights and AdamW moments untouched, when the loss or the clipped gradient is not finite."""
+    """Stage 5: one AdamW step on the batch's loss, accumulated over micro-batches; skipped (the
+    weights and AdamW moments untouched) when the loss or the clipped gradient is not finite."""
     loss_fn = loss_fn or loss_function(config)
     optimizer.zero_grad(set_to_none=True)
     totals = (batch.size, float(batch.completion_mask.sum()))
@@ -576,24 +540,20 @@ def update(model, optimizer, batch: RolloutBatch, old_logp, ref_logp, config, lo
         if not torch.isfinite(loss):
             finite_ = False
             break
-        w = micro_batch_weight(mb, batch, config.loss_type, totals)
+        w, w_stat = micro_batch_weights(mb, totals, config.loss_type)
         if loss.requires_grad:  # a micro-batch without loss tokens (all masked) has no graph
             (loss * w).backward()
-        add_stats(sums, out, loss, w, stat_weight(mb, totals, config.loss_type))
+        add_stats(sums, out, loss, w, w_stat)
     grad_norm = float("nan")
     if finite_:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                          config.max_grad_norm))
-        finite_ = math.isfinite(grad_norm) and all(
-            bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+        finite_ = math.isfinite(grad_norm)  # a NaN/inf in any gradient makes the norm one
     if not finite_:  # never let a NaN/inf reach the weights or the AdamW moments
         optimizer.zero_grad(set_to_none=True)
         sums.setdefault("loss", float("nan"))
         return {**sums, "grad_norm": grad_norm, "skipped": 1}
     optimizer.step()
-    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-        raise FloatingPointError("the optimizer step made weights non-finite; nothing was "
-                                 "saved from this step (lower --lr or --max-grad-norm)")
     return {**sums, "grad_norm": grad_norm, "skipped": 0}
 
 
@@ -607,7 +567,7 @@ def step_costs(s: Step, batch: RolloutBatch, cost: dict, t1: float) -> dict:
                 gen_tokens=batch.num_generated_tokens, scorer_tokens=scorer,
                 decode_tokens=batch.num_generated_tokens + scorer,
                 forward_tokens=forward_tokens(batch, s.config, s.ref_model is not None, s.total)
-                + cost["scorer_forward_tokens"], **cost.get("branch", {}))
+                + cost["scorer_forward_tokens"], **cost.get("metrics", {}))
 
 
 def forward_tokens(batch, config, with_reference: bool, total=list) -> int:
@@ -785,7 +745,8 @@ def _step_parts(model, tokenizer, train_examples, device, config, reward_fn, adv
              reward_fn, getattr(reward_fn, "names", ["correct", "format"]), prompt_fn,
              loss_function(config), advantage_fn,
              compiled_decoding=compile_decoding(config.compile, device),
-             rollouts=rollout_stage, update=update, logprobs=logprobs)
+             rollouts=rollout_stage if advantage_fn is None else general_rollout_stage,
+             update=update, logprobs=logprobs)
     return replace(s, **layer.stages)
 
 
