@@ -191,7 +191,7 @@ def group_generator(seed: int, rollouts) -> random.Random:
     """A `random.Random` for one group's placebo permutations, seeded by the run's `seed` and the
     group's own tokens (`group_digest`).
 
-    The rollouts are themselves seeded by (seed, step, prompt index) (`training.rollout_seed`),
+    The rollouts are themselves seeded by (seed, step, prompt index) (`grpo.rollout_seed`),
     so the permutations are a function of (seed, step, prompt) as well: a resumed run, or the
     same run on N processes, draws the same ones, whatever order the groups are scored in.
     """

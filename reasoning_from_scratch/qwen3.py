@@ -839,7 +839,7 @@ class Qwen3Model(nn.Module):
         """Final-normed hidden states (B, T, C), the lm_head input, of the new tokens input_ids
         (B, T), left padded where attention_mask (B, T) is 0, on top of what `cache` holds.
         block_fn(block, x, cos, sin, attn_mask) -> x, if given, runs each decoder block instead
-        of calling it (no cache): the training path's compiled block (`grpo.compiled_block`)."""
+        of calling it (no cache): the compiled update's (`compiled_update.compiled_block`)."""
         _check_inputs(input_ids, attention_mask, cache, block_fn)
         B, T = input_ids.shape
         dev = input_ids.device
