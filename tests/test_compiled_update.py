@@ -221,7 +221,7 @@ def test_a_bucketed_compiled_update_compiles_every_bucket_before_its_first_step(
     pad_pristine = compiled_update.pad_to_shape
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(training, "collect_rollouts", cut_rollouts)
-        mp.setattr(grpo, "pad_to_shape", spy_pad)
+        mp.setattr(compiled_update, "pad_to_shape", spy_pad)
         train_grpo(model, tok, TRAIN, HELD_OUT, "cpu", config, reward_fn=even_reward,
                    phase_hook=hook)
     graphs[7] = counters["stats"]["unique_graphs"]

@@ -86,15 +86,15 @@ def test_training_step_is_a_step_of_the_training_loop(gpu_check, setup, beta):
     after = run.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)  # AdamW moved them
     if setup == "bf16-weights":
-        assert run.sampler is None  # a bfloat16 model samples itself
+        assert run.policy is run.model  # a bfloat16 model samples itself
     else:  # the bfloat16 sampling copy was refreshed from the updated float32 weights
-        sampled = run.sampler.state_dict()
+        sampled = run.policy.state_dict()
         assert all(sampled[k].dtype == torch.bfloat16 for k in sampled)
         assert all(torch.equal(sampled[k], after[k].to(torch.bfloat16)) for k in after)
     if beta:
-        assert all(torch.equal(v, before[k]) for k, v in run.ref.state_dict().items())
+        assert all(torch.equal(v, before[k]) for k, v in run.ref_model.state_dict().items())
     else:
-        assert run.ref is None
+        assert run.ref_model is None
 
 
 def test_the_plan_runs_the_most_wanted_parts_first(gpu_check):
