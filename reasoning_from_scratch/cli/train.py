@@ -202,7 +202,7 @@ def flags_table(parser) -> str:
     section), default (as --help shows it) and help (choices appended), one row each; the
     table of docs/flags.md."""
     def cell(text):
-        return (str(text).replace("|", "\\|").replace("<", "&lt;").replace("*", "\\*")
+        return (str(text).replace("|", "\\|").replace("<", "\\<").replace("*", "\\*")
                 .replace("\n", " "))
 
     rows = ["| flag | group | default | help |", "|---|---|---|---|"]
