@@ -140,8 +140,10 @@ AUTOCASTS = ("auto", "off", "bfloat16")
 @dataclass
 class GRPOConfig:
     """Every knob of a GRPO run; defaults are the chapter 7 recipe for the bundled tiny model.
-    Each field carries its help, valid range and choices (`validation.option`): the command line
-    (cli/train.py) and the checks are built from them.
+    Each field carries its help, valid range, choices and group (`validation.option`): the command
+    line (cli/train.py) and the checks are built from them. The fields sit in their groups, in
+    --help's order: core (the GRPO step itself), process, variants, systems and run; code reads
+    them flat all the same (config.lr).
 
     Searched on the arithmetic val split (200 problems, greedy strict accuracy 0.255 before
     training; the table is in docs/grpo.md): 16 prompts x 8 rollouts per step beat 8 x 16 and 8 x 8,
@@ -152,50 +154,79 @@ class GRPOConfig:
     completions, micro-batches).
     """
 
+    # ---- core: the GRPO step of chapters 6-7 (the book's algorithm, chapter 7's additions)
     # optimisation (AdamW, linear warmup then constant learning rate, grad-norm clipping)
     steps: int = option(150,
         "optimizer steps (each: rollouts for prompts-per-step prompts, then the update(s))",
-        rule=at_least(1))
-    lr: float = option(1e-4, "peak AdamW learning rate", rule=positive)
+        rule=at_least(1), group="core")
+    lr: float = option(1e-4, "peak AdamW learning rate", rule=positive, group="core")
     warmup_steps: int = option(5,
         "steps of linear learning-rate warmup from lr/warmup to lr",
-        rule=non_negative)
-    weight_decay: float = option(0.0, "AdamW weight decay", rule=non_negative)
-    max_grad_norm: float = option(1.0, "clip the gradient norm to this value", rule=positive)
+        rule=non_negative, group="core")
+    weight_decay: float = option(0.0, "AdamW weight decay", rule=non_negative, group="core")
+    max_grad_norm: float = option(1.0, "clip the gradient norm to this value", rule=positive,
+        group="core")
     # rollouts
-    prompts_per_step: int = option(16, "training prompts per optimizer step", rule=at_least(1))
-    num_rollouts: int = option(8, "G: sampled completions per prompt (one group)", rule=at_least(2))
-    max_new_tokens: int = option(112, "maximum generated tokens per rollout", rule=at_least(1))
-    temperature: float = option(1.0, "rollout sampling temperature", rule=positive)
-    top_p: float = option(1.0, "rollout nucleus-sampling threshold", rule=probability)
+    prompts_per_step: int = option(16, "training prompts per optimizer step", rule=at_least(1),
+        group="core")
+    num_rollouts: int = option(8, "G: sampled completions per prompt (one group)", rule=at_least(2),
+        group="core")
+    max_new_tokens: int = option(112, "maximum generated tokens per rollout", rule=at_least(1),
+        group="core")
+    temperature: float = option(1.0, "rollout sampling temperature", rule=positive, group="core")
+    top_p: float = option(1.0, "rollout nucleus-sampling threshold", rule=probability, group="core")
     # rewards: correctness + format_reward_weight x think format (only if correct when
     # format_reward_conditional)
     format_reward_weight: float = option(0.5,
         "weight of the <think>...</think> format reward (0: correctness only)",
-        rule=non_negative)
-    format_reward_conditional: bool = option(True, "pay the format reward only for correct answers")
+        rule=non_negative, group="core")
+    format_reward_conditional: bool = option(True, "pay the format reward only for correct answers",
+        group="core")
     # advantages
     scale_rewards: str = option("group",
         "advantage scaling: group std (GRPO), batch std, or none (Dr. GRPO)",
-        choices=SCALE_REWARDS)
+        choices=SCALE_REWARDS, group="core")
     skip_zero_advantage: bool = option(True,
         "drop groups with no learning signal: rewards all equal (outcome supervision), or, "
         "with process supervision, token advantages all exactly zero (equal outcomes and no "
-        "step credit)")
-    reward_normalization: str = option("sum",
-        "sum: normalise the weighted sum of the reward terms in each group (GRPO); per_reward: "
-        "normalise each term in its group, then sum (GDPO)",
-        choices=REWARD_NORMALIZATIONS)
-    dynamic_sampling: bool = option(False,
-        "DAPO dynamic sampling: draw more prompts until prompts-per-step groups have unequal "
-        "rewards (at most max-sampling-rounds batches of prompts)")
-    max_sampling_rounds: int = option(3,
-        "dynamic sampling: most batches of prompts sampled in one step",
-        rule=at_least(1))
+        "step credit)", group="core")
+    # loss and update
+    loss_type: str = option("grpo",
+        "grpo: per-sequence token mean; dapo: batch token mean; dr_grpo: sum/(B*max tokens); "
+        "sequence: the book's summed log-prob ratio; gspo: clipped length-normalised sequence "
+        "ratio (GSPO); cispo: clipped, stop-gradient importance weight times log-prob "
+        "(MiniMax-M1)",
+        choices=LOSS_TYPES, group="core")
+    epsilon: float | None = option(0.2,
+        "PPO clip range: ratio clipped to [1-epsilon, 1+epsilon_high] ('none': no clip)",
+        rule=optional(in_range(0, 1, low_open=True)), group="core")
+    epsilon_high: float | None = option(None,
+        "upper clip range (DAPO clip-higher; 'none': same as epsilon)",
+        rule=optional(positive), group="core")
+    beta: float = option(0.0,
+        "weight of the k3 KL penalty to the frozen starting model (0: no reference model)",
+        rule=non_negative, group="core")
+    entropy_coef: float = option(0.0, "entropy bonus coefficient", rule=finite, group="core")
+    inner_epochs: int = option(1,
+        "updates per batch of rollouts (PPO-style; >1 makes the ratio leave 1)",
+        rule=at_least(1), group="core")
+    micro_batch_size: int | None = option(None,
+        "rollouts per forward/backward pass ('none': the whole batch)",
+        rule=optional(at_least(1)), group="core")
+    chunk_size: int = option(1024,
+        "answer positions per lm_head chunk in the log-prob pass (memory bound)",
+        rule=at_least(1), group="core")
+    # seed and run directory
+    seed: int = option(123, "random seed (prompt order, rollout sampling)", rule=non_negative,
+        group="core")
+    output_dir: str = option("runs/grpo",
+        "run directory for metrics, samples, checkpoints, summary and plot", group="core")
+
+    # ---- process: process supervision (chapter 8): step scorers, process advantages, branches
     supervision: str = option("outcome",
         "outcome (one reward per completion) or process (a reward per reasoning step, "
         "DeepSeekMath-style token advantages)",
-        choices=SUPERVISIONS)
+        choices=SUPERVISIONS, group="process")
     step_scorer: str = option("verifier",
         "process supervision step scorer: verifier | verifier-signed | verifier-think (steps "
         "count only in the think format) | verifier-think-local (the same, each step checked on "
@@ -203,163 +234,157 @@ class GRPOConfig:
         "(the policy's probability of the gold answer after each step, GRPO-VPS) | mc | mc-hard "
         "| mc-branch (Monte-Carlo from the group and branched caches) | prm:PATH | "
         "online-prm:PATH | "
-        "online-prm-outcome:PATH (a PRM re-fitted on the rollouts with verifier / outcome labels)")
+        "online-prm-outcome:PATH (a PRM re-fitted on the rollouts with verifier / outcome labels)",
+        group="process")
     process_variant: str = option("sum",
         "process advantage: sum (DeepSeekMath) | process+outcome | min (PURE) | position | "
         "outcome-anchored: first-error | progress | progress-local (credit past the first "
         "error) | clip | delta (Gao et al.) | pure (PURE min "
         "form) | value-delta (VinePPO); see process.anchored_credit",
-        choices=VARIANTS)
+        choices=VARIANTS, group="process")
     step_split: str = option("tags",
         "how completions are split into steps: tags | newlines | blank_lines",
-        choices=STEP_SPLITS)
+        choices=STEP_SPLITS, group="process")
     mc_rollouts: int = option(4,
         "Monte-Carlo continuations per step prefix (step-scorer mc)",
-        rule=at_least(1))
+        rule=at_least(1), group="process")
     process_alpha: float = option(1.0,
         "weight of the step credit in the outcome-anchored process variants (first-error, "
         "progress, clip, delta, pure, value-delta; process.anchored_credit)",
-        rule=non_negative)
+        rule=non_negative, group="process")
     process_local_weight: float = option(LOCAL_STEP_WEIGHT,
         "progress-local: reward of a step that is right on its own inputs after the "
         "completion's first error (a correct step on a correct path earns 1)",
-        rule=in_range(0, 1))
+        rule=in_range(0, 1), group="process")
     process_credit_control: str = option("none",
         "placebo controls of the outcome-anchored forms' step credit: none | flat (each "
         "completion's total credit spread evenly over its tokens) | shuffled (the credits "
         "permuted among a completion's own steps); process.control_credit",
-        choices=CREDIT_CONTROLS)
+        choices=CREDIT_CONTROLS, group="process")
+    # branches at the first error
     branch_rollouts: int = option(0,
         "branches at the first error: one-step continuations sampled from each of a group's "
         "first-error states, graded by the verifier and trained on as extra rows (0: off; "
         "process supervision with a verifier step scorer; branching.py)",
-        rule=non_negative)
+        rule=non_negative, group="process")
     branch_states: int = option(2,
         "branches: first-error states branched from per group, the most shared first",
-        rule=at_least(1))
+        rule=at_least(1), group="process")
     branch_max_new_tokens: int = option(BRANCH_MAX_NEW_TOKENS,
         "branches: token budget of one branch (its first step is kept; never past the "
         "rollouts' budget)",
-        rule=at_least(1))
+        rule=at_least(1), group="process")
     branch_control: str = option("none",
         "branches' placebo: none | shuffled (each state's branch advantages permuted among its "
         "branches: the same rows and cost, which branch was right lost)",
-        choices=BRANCH_CONTROLS)
-    # loss
-    loss_type: str = option("grpo",
-        "grpo: per-sequence token mean; dapo: batch token mean; dr_grpo: sum/(B*max tokens); "
-        "sequence: the book's summed log-prob ratio; gspo: clipped length-normalised sequence "
-        "ratio (GSPO); cispo: clipped, stop-gradient importance weight times log-prob "
-        "(MiniMax-M1)",
-        choices=LOSS_TYPES)
-    epsilon: float | None = option(0.2,
-        "PPO clip range: ratio clipped to [1-epsilon, 1+epsilon_high] ('none': no clip)",
-        rule=optional(in_range(0, 1, low_open=True)))
-    epsilon_high: float | None = option(None,
-        "upper clip range (DAPO clip-higher; 'none': same as epsilon)",
-        rule=optional(positive))
-    beta: float = option(0.0,
-        "weight of the k3 KL penalty to the frozen starting model (0: no reference model)",
-        rule=non_negative)
+        choices=BRANCH_CONTROLS, group="process")
+
+    # ---- variants: GRPO variants of the literature (GDPO, DAPO, KL estimator, TIS, masking)
+    reward_normalization: str = option("sum",
+        "sum: normalise the weighted sum of the reward terms in each group (GRPO); per_reward: "
+        "normalise each term in its group, then sum (GDPO)",
+        choices=REWARD_NORMALIZATIONS, group="variants")
+    dynamic_sampling: bool = option(False,
+        "DAPO dynamic sampling: draw more prompts until prompts-per-step groups have unequal "
+        "rewards (at most max-sampling-rounds batches of prompts)", group="variants")
+    max_sampling_rounds: int = option(3,
+        "dynamic sampling: most batches of prompts sampled in one step",
+        rule=at_least(1), group="variants")
     kl_estimator: str = option("k3",
         "k3: per-token k3 estimate (always >= 0); sequence: the book's summed logp - ref_logp per"
         " answer (zero gradient on average; shown to fail)",
-        choices=KL_ESTIMATORS)
+        choices=KL_ESTIMATORS, group="variants")
     tis_cap: float | None = option(None,
         "truncated importance sampling: weight each token by min(pi_old / pi_sampler, C) with the"
         " sampler's own log-probs ('none': off)",
-        rule=optional(positive))
+        rule=optional(positive), group="variants")
     off_policy_mask_threshold: float | None = option(None,
         "DeepSeek-V3.2 off-policy sequence masking: drop negative-advantage answers whose mean "
         "per-token KL to the sampler exceeds this ('none': off)",
-        rule=optional(non_negative))
-    entropy_coef: float = option(0.0, "entropy bonus coefficient", rule=finite)
+        rule=optional(non_negative), group="variants")
     mask_truncated: bool = option(False,
-        "leave completions cut off at max-new-tokens out of the loss (DAPO)")
-    inner_epochs: int = option(1,
-        "updates per batch of rollouts (PPO-style; >1 makes the ratio leave 1)",
-        rule=at_least(1))
-    micro_batch_size: int | None = option(None,
-        "rollouts per forward/backward pass ('none': the whole batch)",
-        rule=optional(at_least(1)))
-    chunk_size: int = option(1024,
-        "answer positions per lm_head chunk in the log-prob pass (memory bound)",
-        rule=at_least(1))
+        "leave completions cut off at max-new-tokens out of the loss (DAPO)", group="variants")
+
+    # ---- systems: speed and memory (compiled paths, precision, activation checkpointing, FSDP)
     activation_checkpointing: bool = option(False,
         "recompute each decoder block in the backward pass instead of keeping its activations "
         "(torch.utils.checkpoint): the update's activation memory drops to the blocks' inputs "
-        "for one more forward pass of compute (docs/data_parallel.md)")
+        "for one more forward pass of compute (docs/data_parallel.md)", group="systems")
     compile: bool | None = option(None,
         "decode rollouts, evaluations and Monte-Carlo step values with one static, compiled "
         "step (torch.compile; the same tokens; each shape compiles once, seconds on a CPU). "
-        "Default: on for CUDA, off elsewhere (no gain on the CPU, docs/speed.md)")
+        "Default: on for CUDA, off elsewhere (no gain on the CPU, docs/speed.md)", group="systems")
     compile_update: bool | None = option(None,
         "run the update's decoder blocks compiled (torch.compile), every micro-batch padded to "
         "one of a few shapes (at most micro-batch size x longest training prompt + "
         "max-new-tokens; update-buckets), the padding left out of the loss, so the training "
         "step compiles once per shape; the same loss and gradients up to float rounding. "
-        "Default: as compile; never with fsdp")
+        "Default: as compile; never with fsdp", group="systems")
     update_buckets: int = option(4,
         "length buckets of the compiled update: rows and completion columns each get this many "
         "evenly spaced sizes up to the micro-batch size and max-new-tokens, and every "
         "micro-batch is padded to the smallest that holds it (padding at most ~1/N of each; "
         "a graph per size pair met, at most N**2; 1: the one full shape)",
-        rule=at_least(1))
+        rule=at_least(1), group="systems")
     sampler_dtype: str = option("auto",
         "dtype of the weights that sample rollouts and evaluations: a copy of the policy in "
         "that dtype, refreshed after every update (also the fsdp replica's dtype). auto: "
         "bfloat16 on CUDA, the model's own elsewhere",
-        choices=SAMPLER_DTYPES)
+        choices=SAMPLER_DTYPES, group="systems")
     autocast: str = option("auto",
         "the update's forward passes under torch.autocast in this dtype (weights, gradients "
         "and AdamW state stay in the model's dtype). auto: bfloat16 on CUDA without fsdp "
         "(whose own mixed precision computes in bfloat16), off elsewhere",
-        choices=AUTOCASTS)
-    # evaluation, logging, checkpoints
-    eval_every: int = option(25,
-        "evaluate on the held-out set every N steps (0: only before and after)",
-        rule=non_negative)
-    eval_examples: int = option(200, "number of held-out examples for evaluation", rule=at_least(1))
-    eval_max_new_tokens: int | None = option(None,
-        "max generated tokens in evaluation ('none': max-new-tokens)",
-        rule=optional(at_least(1)))
-    eval_batch_size: int = option(50, "prompts per batch in evaluation", rule=at_least(1))
-    sample_every: int = option(10,
-        "append the step's completions to samples.jsonl every N steps (0: never)",
-        rule=non_negative)
-    checkpoint_every: int = option(0,
-        "save a resumable checkpoint every N steps (0: none by steps)",
-        rule=non_negative)
-    report_to: tuple[str, ...] = option((),
-        "watch the run live: log metrics, evaluations, reward histograms and sampled completions "
-        "to tensorboard (<run>/tensorboard) and/or wandb (<run>/wandb, offline without an "
-        "account); several comma-separated (tensorboard,wandb); none: off",
-        rule=report_problem)
-    checkpoint_minutes: float = option(10.0,
-        "save a resumable checkpoint once this many minutes of wall time passed since the last "
-        "one (0: off): a kill that no handler can catch (SIGKILL, out of memory, power loss) "
-        "loses at most this long",
-        rule=non_negative)
-    keep_checkpoints: int = option(2,
-        "checkpoint-<step> directories kept, the latest (0: all); final/ is always kept",
-        rule=non_negative)
-    stop_signals: str = option(DEFAULT_STOP_SIGNALS,
-        "signals that save a checkpoint and stop the run like Ctrl-C, exit status 75 "
-        "(comma-separated; 'none': only Ctrl-C)",
-        rule=stop_signal_names)
+        choices=AUTOCASTS, group="systems")
     fsdp: bool = option(False,
         "shard the weights, gradients and AdamW state over the torchrun processes (FSDP2, "
-        "fsdp.py); rollouts and evaluation run on an unsharded replica; sharded checkpoints")
+        "fsdp.py); rollouts and evaluation run on an unsharded replica; sharded checkpoints",
+        group="systems")
     export_hf_checkpoints: bool = option(False,
         "with --fsdp: also write the whole weights in Hugging Face layout into every "
         "checkpoint-<k> (rank 0 writes a full copy of the model, 4 bytes per parameter in fp32, "
         "while the other processes wait; minutes for billions of parameters). final/ always "
         "has them; resuming reads the shards alone. Without --fsdp a checkpoint's weights are "
-        "in HF layout anyway")
-    seed: int = option(123, "random seed (prompt order, rollout sampling)", rule=non_negative)
-    output_dir: str = option("runs/grpo",
-        "run directory for metrics, samples, checkpoints, summary and plot")
-    progress: bool = option(True, "show the progress bar and per-step lines")
+        "in HF layout anyway", group="systems")
+
+    # ---- run: evaluation, samples, checkpoints, live logging, stop signals, progress
+    # evaluation and samples
+    eval_every: int = option(25,
+        "evaluate on the held-out set every N steps (0: only before and after)",
+        rule=non_negative, group="run")
+    eval_examples: int = option(200, "number of held-out examples for evaluation", rule=at_least(1),
+        group="run")
+    eval_max_new_tokens: int | None = option(None,
+        "max generated tokens in evaluation ('none': max-new-tokens)",
+        rule=optional(at_least(1)), group="run")
+    eval_batch_size: int = option(50, "prompts per batch in evaluation", rule=at_least(1),
+        group="run")
+    sample_every: int = option(10,
+        "append the step's completions to samples.jsonl every N steps (0: never)",
+        rule=non_negative, group="run")
+    # checkpoints and stopping
+    checkpoint_every: int = option(0,
+        "save a resumable checkpoint every N steps (0: none by steps)",
+        rule=non_negative, group="run")
+    checkpoint_minutes: float = option(10.0,
+        "save a resumable checkpoint once this many minutes of wall time passed since the last "
+        "one (0: off): a kill that no handler can catch (SIGKILL, out of memory, power loss) "
+        "loses at most this long",
+        rule=non_negative, group="run")
+    keep_checkpoints: int = option(2,
+        "checkpoint-<step> directories kept, the latest (0: all); final/ is always kept",
+        rule=non_negative, group="run")
+    stop_signals: str = option(DEFAULT_STOP_SIGNALS,
+        "signals that save a checkpoint and stop the run like Ctrl-C, exit status 75 "
+        "(comma-separated; 'none': only Ctrl-C)",
+        rule=stop_signal_names, group="run")
+    # watching the run
+    report_to: tuple[str, ...] = option((),
+        "watch the run live: log metrics, evaluations, reward histograms and sampled completions "
+        "to tensorboard (<run>/tensorboard) and/or wandb (<run>/wandb, offline without an "
+        "account); several comma-separated (tensorboard,wandb); none: off",
+        rule=report_problem, group="run")
+    progress: bool = option(True, "show the progress bar and per-step lines", group="run")
 
     def __post_init__(self):
         check_fields(self)

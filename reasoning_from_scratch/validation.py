@@ -144,10 +144,12 @@ def choice_list(choices):
     return parse
 
 
-def option(default, help: str, rule: Rule | None = None, choices=None):
-    """A config field whose help, valid range (`rule`) and choices sit next to its default
-    (dataclass field metadata, as TRL's configs do); the command line is built from them."""
-    return field(default=default, metadata={"help": help, "rule": rule, "choices": choices})
+def option(default, help: str, rule: Rule | None = None, choices=None, group: str | None = None):
+    """A config field whose help, valid range (`rule`), choices and `group` (the section of
+    --help and of the docs it is listed in, e.g. "core") sit next to its default (dataclass
+    field metadata, as TRL's configs do); the command line is built from them."""
+    return field(default=default,
+                 metadata={"help": help, "rule": rule, "choices": choices, "group": group})
 
 
 def check_fields(config) -> None:

@@ -1,6 +1,11 @@
 """The chapter 6-7 training scripts' command line: flags for every GRPOConfig field, data flags,
 resume, and `run_cli` (parse, check, load model and data, `train_grpo`).
 
+--help lists the flags in groups: each GRPOConfig field's flag under the group its metadata
+names (`CONFIG_GROUPS`: core first, then process, variants, systems, run), the script's own
+flags (model and data, resume, device) in `SCRIPT_GROUPS`; docs/flags.md is the same list as a
+table (`flags_table`).
+
 Every bad value is refused by argparse before anything is written (one line, exit status 2):
 numbers outside their range (the rules live next to GRPOConfig), a device this torch cannot
 use, a new run pointed at a directory that holds one, a resume of a run whose checkpoints are
@@ -54,35 +59,70 @@ from ..validation import arg_type, optional_positive_int
 from .arguments import add_dtype_argument, add_model_argument, add_runtime_arguments
 from .launch import add_timeout_argument, run_in_process_group
 
-# Help, range and choices of every GRPOConfig field live in its metadata (training.py)
+# Help, range, choices and group of every GRPOConfig field live in its metadata (training.py)
 CONFIG_HELP = {f.name: f.metadata["help"] for f in fields(GRPOConfig)}
+# The groups of the fields (metadata "group"), in --help's order: title -> what they hold
+CONFIG_GROUPS = {
+    "core": "the GRPO step of chapters 6-7: optimizer, rollouts, rewards, advantages, loss, seed "
+            "and run directory",
+    "process": "process supervision (chapter 8): step scorers, process advantages, branches at "
+               "the first error",
+    "variants": "GRPO variants of the literature: GDPO reward normalisation, DAPO dynamic "
+                "sampling and truncation masking, KL estimator, truncated importance sampling, "
+                "off-policy masking",
+    "systems": "speed and memory: compiled paths, precision, activation checkpointing, FSDP",
+    "run": "evaluation, samples, checkpoints, live logging, stop signals, progress",
+}
+# The training scripts' own flags (not config fields), shown after core
+SCRIPT_GROUPS = {
+    "model and data": "the starting model, the training problems and the held-out set",
+    "resume": "continue a run where it stopped, or replace one",
+    "device": "where the run computes, in which dtype, and torchrun's patience",
+}
 CHOICES = {f.name: f.metadata["choices"] for f in fields(GRPOConfig) if f.metadata["choices"]}
 # fields whose default is None: their value type ('none' on the command line gives None)
 OPTIONAL_TYPES = {f.name: float if f.type.startswith("float") else int
                   for f in fields(GRPOConfig) if f.type.endswith("| None")}
 
 
-def add_config_arguments(parser, defaults: GRPOConfig, helps: dict | None = None):
-    """One `--dashed-flag` per GRPOConfig field, with help text, defaults and range checks;
-    `helps` replaces the help of some fields (a script that uses them differently)."""
+def add_argument_groups(parser, titles: dict) -> dict:
+    """{title: argument group} for `titles` ({title: description}), in that order; on an
+    argument group rather than a parser (argparse does not nest them), that group for each."""
+    if not isinstance(parser, argparse.ArgumentParser):
+        return {title: parser for title in titles}
+    return {title: parser.add_argument_group(title, about) for title, about in titles.items()}
+
+
+def add_config_arguments(parser, defaults: GRPOConfig, helps: dict | None = None,
+                         groups: dict | None = None) -> dict:
+    """One `--dashed-flag` per GRPOConfig field, with help text, defaults and range checks,
+    group by group (`CONFIG_GROUPS`); `helps` replaces the help of some fields (a script that
+    uses them differently). A field goes into `groups[its group]` where given, else into a new
+    argument group of `parser` titled by its group (all into `parser` itself when it is an
+    argument group). Returns {group: where its flags went}."""
     helps = {**CONFIG_HELP, **(helps or {})}
-    for f in fields(GRPOConfig):
+    missing = {g: about for g, about in CONFIG_GROUPS.items() if g not in (groups or {})}
+    groups = {**(groups or {}), **add_argument_groups(parser, missing)}
+    for f in sorted(fields(GRPOConfig), key=lambda f: list(CONFIG_GROUPS).index(
+            f.metadata["group"])):
         if f.name == "output_dir":
             continue  # the scripts add it with a timestamped default
+        where = groups[f.metadata["group"]]
         flag, default = "--" + f.name.replace("_", "-"), getattr(defaults, f.name)
         if f.name == "report_to":  # several names
-            add_report_argument(parser, default)
+            add_report_argument(where, default)
             continue
         if isinstance(default, bool) or f.type == "bool | None":  # None: the field decides
-            parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
-                                help=helps[f.name])
+            where.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
+                               help=helps[f.name])
             continue
         kind = OPTIONAL_TYPES.get(f.name, type(default))
         value_type = kind
         if kind in (int, float) or f.metadata["rule"] is not None:
             value_type = arg_type(kind, f.metadata["rule"], f.name in OPTIONAL_TYPES)
-        parser.add_argument(flag, type=value_type, default=default, choices=CHOICES.get(f.name),
-                            help=helps[f.name])
+        where.add_argument(flag, type=value_type, default=default, choices=CHOICES.get(f.name),
+                           help=helps[f.name])
+    return groups
 
 
 def add_report_argument(parser, default=(), help=CONFIG_HELP["report_to"]):
@@ -124,30 +164,57 @@ def add_data_arguments(parser, eval_split: str = "test"):
 
 
 def build_parser(description, defaults: GRPOConfig, run_prefix):
-    """The chapter scripts' parser: model, data, device, resume, and every GRPOConfig field."""
+    """The chapter scripts' parser: every GRPOConfig field, group by group (core first), and
+    the script's own flags (`SCRIPT_GROUPS`: model and data, resume, device) after core."""
     p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_model_argument(p)
-    p.add_argument("--dataset", default="arith", choices=DATASET_NAMES,
+    groups = add_argument_groups(p, {"core": CONFIG_GROUPS["core"]})
+    own = add_argument_groups(p, SCRIPT_GROUPS)
+    add_config_arguments(p, defaults, groups=groups)
+    groups["core"].add_argument(
+        "--output-dir", default=None,
+        help=f"run directory (None: runs/{run_prefix}-<timestamp>); must not hold a run "
+             "already, unless --overwrite")
+    g = own["model and data"]
+    add_model_argument(g)
+    g.add_argument("--dataset", default="arith", choices=DATASET_NAMES,
                    help="arith: train on the train split, evaluate on --eval-split; math: MATH "
                         "train / MATH-500; gsm8k: train / test")
-    add_data_arguments(p)
-    p.add_argument("--output-dir", default=None,
-                   help=f"run directory (None: runs/{run_prefix}-<timestamp>); must not hold a "
-                        "run already, unless --overwrite")
-    p.add_argument("--overwrite", action="store_true",
+    add_data_arguments(g)
+    g = own["resume"]
+    g.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --output-dir (its metrics, samples and "
                         "checkpoints are deleted once the model and data have loaded)")
-    p.add_argument("--resume", default=None,
+    g.add_argument("--resume", default=None,
                    help="run directory (its latest intact checkpoint) or checkpoint directory to "
                         "continue exactly, in that run directory wherever it now is; takes the "
                         "run's settings and data flags (flags given explicitly override them, "
                         "e.g. --steps)")
-    add_runtime_arguments(p)
-    add_timeout_argument(p)
-    add_dtype_argument(p, "model dtype for training (float32 keeps small AdamW updates exact)")
-    add_config_arguments(p, defaults)
+    g = own["device"]
+    add_runtime_arguments(g)
+    add_timeout_argument(g)
+    add_dtype_argument(g, "model dtype for training (float32 keeps small AdamW updates exact)")
     return p
+
+
+def flags_table(parser) -> str:
+    """Every flag of `parser` as a markdown table, in --help's order: flag, group (its --help
+    section), default (as --help shows it) and help (choices appended), one row each; the
+    table of docs/flags.md."""
+    def cell(text):
+        return (str(text).replace("|", "\\|").replace("<", "\\<").replace("*", "\\*")
+                .replace("\n", " "))
+
+    rows = ["| flag | group | default | help |", "|---|---|---|---|"]
+    for group in parser._action_groups:  # argparse keeps no public list of them
+        for action in group._group_actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+                continue
+            flags = ", ".join(f"`{flag}`" for flag in action.option_strings)
+            about = action.help + (f" (choices: {', '.join(map(str, action.choices))})"
+                                   if action.choices else "")
+            rows.append(f"| {flags} | {group.title} | `{action.default}` | {cell(about)} |")
+    return "\n".join(rows) + "\n"
 
 
 def parse_level_weights(text):
