@@ -65,12 +65,15 @@ FLOOR_ULPS = 64
 
 
 def rounding_tolerance(size: float, rounding: float | None,
-                       margin: float = ROUNDING_MARGIN) -> float:
+                       margin: float = ROUNDING_MARGIN, dtype=torch.float32) -> float:
     """How far a second correct computation of some values may land from them: `margin` x
     `rounding` (the difference between the same values computed two correct ways at the run's
     precision; None when not measured), at least FLOOR_ULPS x eps(float32) x max(1, `size`)
-    (`size`: the largest |value|)."""
-    floor = FLOOR_ULPS * torch.finfo(torch.float32).eps * max(1.0, size)
+    (`size`: the largest |value|) and one unit of roundoff of the model's `dtype` at that size
+    (a fused bfloat16 kernel rounds the logits differently from the eager one by about that:
+    the stepwise rounding, same kernels both ways, can miss it)."""
+    eps = max(FLOOR_ULPS * torch.finfo(torch.float32).eps, torch.finfo(dtype).eps)
+    floor = eps * max(1.0, size)
     return floor if rounding is None else max(floor, margin * rounding)
 
 
@@ -186,8 +189,9 @@ def _decode_once(policy, input_ids, attention_mask, max_new_tokens, eos_token_id
                             top_p, rows)
     rounding = stepwise_rounding(eager.logprobs[rows], policy, eager.sequences[rows],
                                  attention_mask[rows], eager.completion_mask[rows], temperature)
-    lp_tol = rounding_tolerance(found["size"], rounding, LOGPROB_MARGIN)
-    gap_tol = rounding_tolerance(found["size"], rounding)  # a logit difference
+    dtype = next(policy.parameters()).dtype
+    lp_tol = rounding_tolerance(found["size"], rounding, LOGPROB_MARGIN, dtype)
+    gap_tol = rounding_tolerance(found["size"], rounding, dtype=dtype)  # a logit difference
     if not greedy:  # log-probs within t move a cumulative mass by at most tanh(t / 2)
         gap_tol = math.tanh(gap_tol / 2)
     gap, diff = found["max_gap"], found["max_logprob_diff"]

@@ -79,6 +79,10 @@ def test_the_tolerance_is_a_margin_over_the_measured_rounding_with_a_float32_flo
     assert compile_check.rounding_tolerance(10.0, 0.0) == pytest.approx(floor)
     assert compile_check.rounding_tolerance(10.0, None) == pytest.approx(floor)
     assert compile_check.rounding_tolerance(0.5, None) == pytest.approx(floor / 10)  # size >= 1
+    # a bfloat16 model: at least one bfloat16 roundoff (2**-7) at the size, 0.078 at size 10
+    assert compile_check.rounding_tolerance(10.0, 0.0, dtype=torch.bfloat16) == \
+        pytest.approx(10.0 / 128)
+    assert compile_check.rounding_tolerance(10.0, 0.1, dtype=torch.bfloat16) == pytest.approx(0.4)
 
 
 def test_the_check_draws_the_uniforms_generate_draws(arith):
