@@ -264,7 +264,7 @@ def test_sample_branches_by_hand(think_model, monkeypatch):
     def scripted(model_, seqs, cuts, budgets, temperature, top_p, stops, gen, compile):
         calls.append(dict(cuts=cuts, budgets=budgets, setting=(temperature, top_p, stops,
                           compile, model_.training), seed=gen.initial_seed()))
-        out = [script[(n != P + c1) * 2 + cuts[:i].count((g, n))] for i, (g, n) in
+        out = [script[(n != P + c1) * 2 + cuts[:i].count((g, n)) % 2] for i, (g, n) in
                enumerate(cuts)]
         assert [seqs[g][:n] for g, n in cuts] == [ro.full_ids(g)[:n].tolist() for g, n in cuts]
         return Branches([o[0] for o in out], [o[1] for o in out],
@@ -304,12 +304,13 @@ def test_sample_branches_by_hand(think_model, monkeypatch):
     calls.clear()
     assert len(sample_branches(model, tok, [(EXAMPLE, ro)], [info],
                                replace(config, max_states=1))[0]) == 2  # the most shared
-    # the placebo: each state's advantages permuted by the group's own generator (seed + 1)
+    # the placebo (k = 4: the script twice per state): each state's advantages permuted by
+    # the group's own generator (seed + 1), reproducibly
     shuffled, _ = sample_branches(model, tok, [(EXAMPLE, ro)], [info],
-                                  replace(config, control="shuffled"))
-    order = random.Random(branching._group_seed(4, ro))
-    want = [2 * a for c, r, w in (([1, 0], 1, 2), ([1, 0], 3, 1))
-            for a in branch_advantages(c, r, w, "shuffled", order)]
+                                  replace(config, k=4, seed=5, control="shuffled"))
+    order = random.Random(branching._group_seed(6, ro))
+    want = [2 * a for r, w in ((1, 2), (3, 1))
+            for a in branch_advantages([1, 0, 1, 0], r, w, "shuffled", order)]
     assert [b.advantage for b in shuffled] == pytest.approx(want, rel=1e-6)
 
 
