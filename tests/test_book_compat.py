@@ -40,7 +40,6 @@ from reasoning_from_scratch import (
 from reasoning_from_scratch.datasets import load_arith, load_math500_test, load_math_train
 from reasoning_from_scratch.generation import generate
 from reasoning_from_scratch.grpo import sequence_logprob_and_entropy
-from reasoning_from_scratch.inference_scaling import self_consistency_vote
 from reasoning_from_scratch.plotting import moving_average
 from reasoning_from_scratch.prompts import render_prompt
 from reasoning_from_scratch.qwen3 import (
@@ -767,14 +766,34 @@ def test_book_loaders_read_and_save_local_copies(tmp_path):
 
 
 def test_self_consistency_vote_book_arguments(tiny, capsys):
+    """The book's chapter 4 vote (`ch04.self_consistency_vote`, not this package's batched one)
+    with the book's arguments on a model: sample i is the book's top-p stream after
+    torch.manual_seed(seed + i + 1), one progress line each, the vote over the short answers;
+    with top_p near 0 every sample is the greedy text and wins 3 votes of 3."""
     model, tok = tiny
-    kw = dict(num_samples=3, temperature=1.0, max_new_tokens=4, seed=7, fallback="full")
-    first = self_consistency_vote(model, tok, "3+4=", "cpu", show_progress=True, **kw)
-    assert first == self_consistency_vote(model, tok, "3+4=", "cpu", **kw)  # seeded
-    assert capsys.readouterr().out.count("[Sample ") == 3
-    assert first["counts"]
-    top = max(first["counts"].values())
-    assert first["majority_winners"] == [a for a, c in first["counts"].items() if c == top]
+    assert ch04.self_consistency_vote is book.self_consistency_vote
+    kw = dict(num_samples=3, temperature=1.0, top_p=0.9, max_new_tokens=4)
+    out = ch04.self_consistency_vote(model, tok, "3+4=", "cpu", **kw, show_progress=True,
+                                     show_long_answer=False, seed=7)
+    drawn = []
+    for i in range(3):
+        torch.manual_seed(7 + i + 1)
+        drawn.append(ch04.generate_text_stream_concat_flex(
+            model, tok, "3+4=", "cpu", 4, generate_func=ch04.generate_text_top_p_stream_cache,
+            temperature=1.0, top_p=0.9))
+    assert out["full_answers"] == drawn and len(set(drawn)) > 1  # seeded, one sample at a time
+    printed = capsys.readouterr().out
+    assert [f"[Sample {i}/3] -> {a!r}" in printed for i, a in enumerate(
+        out["short_answers"], 1)] == [True] * 3
+    assert sum(out["counts"].values()) == 3
+    top = max(out["counts"].values())
+    assert out["majority_winners"] == [a for a, c in out["counts"].items() if c == top]
+    greedy = ch04.generate_text_stream_concat_flex(model, tok, "3+4=", "cpu", 4)
+    same = ch04.self_consistency_vote(model, tok, "3+4=", "cpu", **{**kw, "top_p": 1e-9},
+                                      show_progress=False, seed=7)
+    assert same["full_answers"] == [greedy] * 3
+    assert list(same["counts"].values()) == [3] and same["final_answer"] == same[
+        "short_answers"][0] == same["majority_winners"][0]
 
 
 def test_self_consistency_vote_is_the_books_one_sample_at_a_time(monkeypatch):

@@ -175,6 +175,17 @@ def test_self_consistency_early_stop_stops_when_decided_with_the_same_answer(mon
     assert full["counts"] == {"5": 6, "4": 4} and full["groups"]["4"] == [6, 7, 8, 9]
 
 
+def test_self_consistency_vote_takes_the_books_seed_and_progress(tiny, capsys):
+    """This package's batched vote with the book's keyword arguments: `seed` is a generator
+    seeded with it, and `show_progress` prints one line per sample."""
+    model, tok = tiny
+    kw = dict(num_samples=3, temperature=1.0, max_new_tokens=4, fallback="full")
+    seeded = self_consistency_vote(model, tok, "3+4=", "cpu", show_progress=True, seed=7, **kw)
+    assert capsys.readouterr().out.count("[Sample ") == 3
+    assert seeded == self_consistency_vote(model, tok, "3+4=", "cpu",
+                                           generator=torch.Generator().manual_seed(7), **kw)
+
+
 def test_self_consistency_early_stop_matches_full_run_on_the_tiny_model(tiny):
     model, tok = tiny
     ex = make_split("test", 40)
