@@ -13,7 +13,7 @@ from reasoning_from_scratch.checkpoints import find_checkpoint
 from reasoning_from_scratch.cli import train as training_cli
 from reasoning_from_scratch.grpo import batch_logprobs, collect_rollouts
 from reasoning_from_scratch.process import step_statistics
-from reasoning_from_scratch.process_supervision import make_process_advantage_fn
+from reasoning_from_scratch.process_supervision import make_process_advantage_fn, process_metrics
 from reasoning_from_scratch.qwen3 import Qwen3Model
 from reasoning_from_scratch.run_log import read_metrics
 from reasoning_from_scratch.step_scorers import CallableStepScorer
@@ -23,7 +23,6 @@ from reasoning_from_scratch.training import (
     GRPOConfig,
     compute_grpo_loss,
     grpo_loss_on_batch,
-    process_metrics,
     train_grpo,
 )
 from reasoning_from_scratch.weights import load_pretrained
