@@ -3,7 +3,10 @@
 A checkpoint directory `checkpoint-<k>/` holds the state after exactly k optimizer updates:
 the model in Hugging Face layout (so `load_pretrained` loads it), the AdamW state flattened into
 optimizer.safetensors with its structure in trainer_state.json, and the RNG states as uint8
-tensors in rng.safetensors. An FSDP run's checkpoint holds the model and AdamW shards instead
+tensors in rng.safetensors, and the state of any other learner the run keeps (process
+supervision's online PRM: its weights, AdamW state and counters) in `<name>.safetensors`, named
+under "states" in trainer_state.json (`save_states`; a run without one writes neither). An FSDP
+run's checkpoint holds the model and AdamW shards instead
 (fsdp.py, DCP) and, beside them, the model's config and tokenizer; the whole weights in HF
 layout (a full copy that rank 0 writes while the other processes wait) only in final/ and
 where the run asks for them (`export_hf_checkpoints`): resuming reads the shards alone.
@@ -30,6 +33,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
@@ -108,6 +112,81 @@ def _restore_rng(tensors):
 
 
 # ----------------------------------------------------------------------------------------------
+# Other learners' state (e.g. the online PRM) as tensors
+# ----------------------------------------------------------------------------------------------
+
+def state_to_flat(state) -> tuple[dict, object]:
+    """A nested `state_dict()` (dicts with str or int keys, lists, tuples, tensors, JSON values)
+    -> ({"<path>": tensor}, a JSON structure naming them). A tensor whose storage an earlier one
+    holds (tied weights) is copied: a safetensors file holds no shared memory."""
+    tensors, seen = {}, set()
+
+    def walk(obj, path):
+        if torch.is_tensor(obj):
+            if path in tensors:
+                raise ValueError(f"state_to_flat: two tensors at {path!r}")
+            ptr = obj.untyped_storage().data_ptr()
+            tensors[path] = obj.detach().clone() if ptr and ptr in seen else obj.detach()
+            seen.add(ptr)
+            return {"tensor": path}
+        if isinstance(obj, dict):
+            return {"dict": [[k, walk(v, f"{path}.{k}" if path else str(k))]
+                             for k, v in obj.items()]}
+        if isinstance(obj, (list, tuple)):
+            kind = "list" if isinstance(obj, list) else "tuple"
+            return {kind: [walk(v, f"{path}.{i}") for i, v in enumerate(obj)]}
+        return {"value": obj}
+
+    return tensors, walk(state, "")
+
+
+def state_from_flat(tensors, structure):
+    """Inverse of `state_to_flat`: the nested state, keys with their types (int or str)."""
+    (kind, value), = structure.items()
+    if kind == "tensor":
+        return tensors[value]
+    if kind == "dict":
+        return {k: state_from_flat(tensors, v) for k, v in value}
+    if kind in ("list", "tuple"):
+        items = [state_from_flat(tensors, v) for v in value]
+        return items if kind == "list" else tuple(items)
+    return value
+
+
+def copy_state(state):
+    """A copy of a nested state whose tensors are clones (on their own devices): the state as it
+    is now, whatever later updates do to the original."""
+    tensors, structure = state_to_flat(state)
+    return state_from_flat({k: t.clone() for k, t in tensors.items()}, structure)
+
+
+def save_states(directory, states: dict) -> dict:
+    """Each learner's state (name -> `state_dict()` result) into `directory`/<name>.safetensors,
+    atomically; returns trainer_state.json's "states" entry: name -> file and structure."""
+    entry = {}
+    for name, state in states.items():
+        tensors, structure = state_to_flat(state)
+        atomic_save_safetensors(tensors, Path(directory) / f"{name}.safetensors")
+        entry[name] = {"file": f"{name}.safetensors", "structure": structure}
+    return entry
+
+
+def load_states(path, trainer_state: dict, states: dict) -> None:
+    """Each learner in `states` (name -> object with `load_state_dict`) from checkpoint `path`;
+    a checkpoint written before it kept one warns (the learner keeps its initial state, so the
+    resumed run is not exact)."""
+    saved = trainer_state.get("states", {})
+    for name, learner in states.items():
+        if name not in saved:
+            warnings.warn(f"{path} holds no {name} state (written before checkpoints kept it): "
+                          f"the {name} restarts from its initial state, so the resumed run is "
+                          "not the uninterrupted one", RuntimeWarning, stacklevel=3)
+            continue
+        tensors = read_safetensors(Path(path) / saved[name]["file"])
+        learner.load_state_dict(state_from_flat(tensors, saved[name]["structure"]))
+
+
+# ----------------------------------------------------------------------------------------------
 # Save, verify, find, load
 # ----------------------------------------------------------------------------------------------
 
@@ -117,7 +196,7 @@ class CheckpointWriteError(OSError):
 
 
 def save_checkpoint(out_dir, model, tokenizer, optimizer, step, config, extra=None,
-                    hf_weights: bool = True) -> Path:
+                    hf_weights: bool = True, states: dict | None = None) -> Path:
     """Write a resumable checkpoint directory atomically (temp dir, then rename).
 
     `step` is the number of optimizer updates the weights contain; `config` a dataclass or dict
@@ -141,9 +220,10 @@ def save_checkpoint(out_dir, model, tokenizer, optimizer, step, config, extra=No
             tensors, structure = _optimizer_to_flat(optimizer)
             atomic_save_safetensors(tensors, tmp / "optimizer.safetensors")
         atomic_save_safetensors(_rng_tensors(), tmp / "rng.safetensors")
+        saved = save_states(tmp, states) if states else {}
         atomic_write_json(tmp / STATE_FILE, {
             "step": step, "config": asdict(config) if is_dataclass(config) else dict(config),
-            "optimizer": structure, **(extra or {}),
+            "optimizer": structure, **({"states": saved} if saved else {}), **(extra or {}),
         })
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -175,13 +255,15 @@ def checkpoint_problem(path) -> str | None:
     path = Path(path)
     sharded = is_sharded_checkpoint(path)
     try:
-        read_trainer_state(path)
+        state = read_trainer_state(path)
         # an FSDP checkpoint may hold no HF weights: its shards are its model state
         weights = load_hf_state_dict(path) if not sharded or has_weights(path) else {}
         if not sharded:  # DCP checks its own shards when it loads them
             read_safetensors(path / "optimizer.safetensors")
         read_safetensors(path / "rng.safetensors")
-    except (OSError, ValueError, KeyError) as err:
+        for entry in state.get("states", {}).values():  # other learners' (an online PRM)
+            read_safetensors(path / entry["file"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
         return str(err)
     bad = non_finite_tensors(weights)
     if bad:
@@ -250,10 +332,11 @@ def find_checkpoint_or_restart(path, log=print) -> Path | None:
     return find_checkpoint(path, log)
 
 
-def load_checkpoint(path, model, optimizer) -> dict:
+def load_checkpoint(path, model, optimizer, states: dict | None = None) -> dict:
     """Load weights, optimizer and RNG states of a checkpoint in place; returns trainer_state.
     A sharded (FSDP) model loads the shards of a sharded checkpoint, with any number of
-    processes; the two kinds do not mix."""
+    processes; the two kinds do not mix. `states`: other learners (name -> object with
+    `load_state_dict`) loaded from their files (`load_states`)."""
     path = find_checkpoint(path)
     state = read_trainer_state(path)
     if is_sharded(model) != is_sharded_checkpoint(path):
@@ -265,6 +348,7 @@ def load_checkpoint(path, model, optimizer) -> dict:
         load_weights_into(model, path)
         opt_tensors = read_safetensors(path / "optimizer.safetensors", device=str(model.device))
         optimizer.load_state_dict(_optimizer_from_flat(opt_tensors, state["optimizer"]))
+    load_states(path, state, states or {})
     _restore_rng(read_safetensors(path / "rng.safetensors"))
     return state
 

@@ -17,6 +17,12 @@ counted: `cost()` reports the tokens the PRM read (scoring and training forward 
 `forward_tokens` (read, not sampled), its seconds, updates, and its agreement with the labels
 before each update (a falling agreement is the sign that the policy has found the PRM's blind
 spots).
+
+Unlike the other step scorers it changes as it scores, so a run keeps its state: `state_dict()`
+(the PRM's weights, its AdamW state, the counters) goes into every checkpoint and
+`load_state_dict` restores it on resume (run_dir.py, `process_supervision.learned_states`), and
+a data-parallel run has every process replay the whole step's groups so that their PRMs stay
+equal (`systems.WholeStepHook`).
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ class OnlinePRMStepScorer(StepScorer):
     """
 
     name = "online-prm"
+    # what `cost()` reads besides the PRM and its optimizer: part of the state a checkpoint keeps
+    COUNTERS = ("tokens", "seconds", "num_updates", "agree", "labelled", "last_loss")
 
     def __init__(self, prm: ProcessRewardModel, tokenizer, labeler: StepScorer | None = None,
                  lr: float = 3e-4, updates: int = 1, batch_size: int = 32,
@@ -74,6 +82,19 @@ class OnlinePRMStepScorer(StepScorer):
         return {"forward_tokens": float(self.tokens), "prm_seconds": self.seconds,
                 "prm_updates": float(self.num_updates), "prm_agreement": agreement,
                 "prm_loss": self.last_loss}
+
+    def state_dict(self) -> dict:
+        """The PRM's weights, its AdamW state and the counters (references, not copies)."""
+        return {"prm": self.prm.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "counters": {k: getattr(self, k) for k in self.COUNTERS}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned: the scorer then scores and learns as the one that
+        saved it would have."""
+        self.prm.load_state_dict(state["prm"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for k in self.COUNTERS:
+            setattr(self, k, state["counters"][k])
 
     def update(self, prompt: str, steps_per_completion: Sequence[Sequence[str]],
                labels: Sequence[Sequence[float]]) -> float:

@@ -73,6 +73,13 @@ def scorer_tokens(advantage_fn, keys=DECODE_COST_KEYS) -> int:
     return int(sum(cost.get(k, 0) for k in keys))
 
 
+def learned_states(advantage_fn) -> dict:
+    """{"step_scorer": the hook's step scorer} when that scorer learns as it scores (it has
+    `state_dict`, as `OnlinePRMStepScorer`): what a run's checkpoints keep and its processes
+    keep equal. {} for any other hook or scorer, whose checkpoints stay as they were."""
+    scorer = getattr(advantage_fn, "step_scorer", None)
+    return {"step_scorer": scorer} if callable(getattr(scorer, "state_dict", None)) else {}
+
 
 def build_step_scorer(spec: str, model=None, tokenizer=None, device=None,
                       **mc_kwargs) -> StepScorer:

@@ -30,9 +30,11 @@ from .checkpoints import (
     CheckpointPolicy,
     check_new_run_dir,
     clear_run_dir,
+    copy_state,
     load_checkpoint,
     prune_checkpoints,
     save_checkpoint,
+    state_to_flat,
 )
 from .distributed import (
     agreed_stop,
@@ -40,7 +42,9 @@ from .distributed import (
     any_rank,
     barrier,
     check_replicas_agree,
+    check_same_on_all_ranks,
     is_main,
+    params_checksum,
     run_on_main,
     world_size,
 )
@@ -76,14 +80,18 @@ class RunDir:
 
     `columns`: metrics.csv's columns; `plot_columns`: those drawn in metrics.png;
     `eval_columns`: evaluation figure -> metrics.csv column (`run_log.eval_cells`).
-    `extra_state()` adds a loop's own fields to the checkpoint's bookkeeping.
+    `extra_state()` adds a loop's own fields to the checkpoint's bookkeeping. `states`: other
+    learners the run updates besides the model (name -> object with `state_dict` /
+    `load_state_dict`: process supervision's online PRM, `process_supervision.learned_states`),
+    each checkpointed in its own file as it was after step `completed` (`kept_states`).
     """
 
     def __init__(self, out, model, tokenizer, optimizer, config, columns, plot_columns,
-                 eval_columns=EVAL_COLUMNS, replica=None):
+                 eval_columns=EVAL_COLUMNS, replica=None, states=None):
         self.out, self.model, self.tokenizer = out, model, tokenizer
         self.replica = replica  # FSDP: the unsharded copy, current after every update
         self.optimizer, self.config = optimizer, config
+        self.states, self.kept_states = dict(states or {}), {}
         self.columns, self.plot_columns, self.eval_columns = columns, plot_columns, eval_columns
         self.main = is_main()
         self.several = world_size() > 1  # several processes agree on what is due
@@ -100,13 +108,15 @@ class RunDir:
 
     def restore(self, resume_from, base_evaluation):
         """The base model's figures (`base_evaluation`, None: not known yet) and, resuming, the
-        weights, AdamW state and bookkeeping of the checkpoint `resume_from` (the replica
-        refreshed from them); returns the checkpoint's state dict (None for a new run). Load
-        first: a failed load writes nothing."""
+        weights, AdamW state, other learners' states and bookkeeping of the checkpoint
+        `resume_from` (the replica refreshed from them); returns the checkpoint's state dict
+        (None for a new run). Load first: a failed load writes nothing."""
         self.base = self.last_eval = base_evaluation
         if resume_from is None:
+            self.keep_states()
             return None
-        state = load_checkpoint(resume_from, self.model, self.optimizer)
+        state = load_checkpoint(resume_from, self.model, self.optimizer, self.states)
+        self.keep_states()
         self.completed, self.eval_pending = state["step"], state.get("eval_pending", False)
         self.base = state.get("base") or base_evaluation
         self.last_eval = state.get("last_eval") or self.base
@@ -183,6 +193,14 @@ class RunDir:
         due = self.policy.due(self.completed)
         return any_rank(due) if self.several else due
 
+    def keep_states(self):
+        """Copies of the other learners' states as they are now, after step `completed`: what
+        its checkpoint holds, even when a stop lands in the next step's rollouts after they have
+        changed (an online PRM learns while the rollouts are scored). The copies stay on the
+        learners' devices: one more state's memory, a device-to-device copy per step."""
+        self.kept_states = {name: copy_state(obj.state_dict())
+                            for name, obj in self.states.items()}
+
     def extra_state(self) -> dict:
         """A loop's own bookkeeping saved in every checkpoint (none here)."""
         return {}
@@ -195,7 +213,7 @@ class RunDir:
             None if sharded else self.optimizer, self.completed, self.config,
             {"base": self.base, "last_eval": self.last_eval, "eval_pending": self.eval_pending,
              **self.extra_state(), "output_dir": str(self.out), "world_size": world_size()},
-            hf_weights=hf_export_due(path, self.config),
+            hf_weights=hf_export_due(path, self.config), states=self.kept_states,
         )
         prune_checkpoints(self.out, self.policy.keep, self.completed)
 
@@ -248,6 +266,7 @@ class RunDir:
             self.tracker.close()
         # the replicas must have made identical updates (checked once the files are safe)
         check_replicas_agree(self.model if self.replica is None else self.replica)
+        check_states_agree(self.states)
         return final, summary
 
     def _write_summary(self, summary):
@@ -267,9 +286,9 @@ class StepRun(RunDir):
     stop after non-finite steps, the evaluation and the checkpoint that are due."""
 
     def __init__(self, out, model, tokenizer, optimizer, config, columns, plot_columns,
-                 replica=None):
+                 replica=None, states=None):
         super().__init__(out, model, tokenizer, optimizer, config, columns, plot_columns,
-                         replica=replica)
+                         replica=replica, states=states)
         self.bad_steps = 0  # consecutive steps with a non-finite loss or gradient
 
     def _open_logs(self, resumed):
@@ -306,6 +325,7 @@ class StepRun(RunDir):
         self.eval_pending = bool(config.eval_every and self.completed % config.eval_every == 0
                                  and self.completed < config.steps)
         self.bad_steps = self.bad_steps + 1 if row["skipped"] else 0
+        self.keep_states()
 
     def after_step(self, bar, row, evaluate_now, interrupted, hook):
         """The progress bar and printed line of a finished step, then what is due: a stop after
@@ -343,6 +363,15 @@ class StepRun(RunDir):
             f"{self.bad_steps} steps in a row had a non-finite loss or gradient and were "
             f"skipped; stopping. {path} holds the last finite weights; lower --lr or "
             f"--max-grad-norm, or check the rewards, before resuming")
+
+
+def check_states_agree(states: dict) -> None:
+    """Raise RuntimeError on every process if a learner's state (name -> object with
+    `state_dict`; the checksum of its tensors) differs between the processes; nothing for one
+    process. Like `distributed.check_replicas_agree` for the model."""
+    for name, learner in states.items() if world_size() > 1 else ():
+        tensors = state_to_flat(learner.state_dict())[0].values()
+        check_same_on_all_ranks(params_checksum(tensors), f"the {name}'s state")
 
 
 def row_line(row):

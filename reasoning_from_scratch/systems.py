@@ -17,7 +17,10 @@ functions of the run's `training.Step` (nothing of this module runs in a step ot
   eager code on first use: compile_check.py), the bfloat16 sampler replica and autocast;
 - the rollout stage with DAPO's dynamic sampling (more rounds of prompts until
   `prompts_per_step` groups carry signal, DAPO section 3.2) and the branch rows at the first
-  error (branching.py).
+  error (branching.py);
+- a process hook whose step scorer learns as it scores (the online PRM) run on the whole step's
+  groups by every process (`WholeStepHook`), so that every process's copy makes the one-process
+  updates and the copies stay equal.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from .distributed import (
     all_reduce_sum,
     data_parallel,
     gather_groups,
+    gather_lists,
+    is_main,
     rank,
     shard,
     shard_range,
@@ -56,6 +61,7 @@ from .fsdp import (
     shard_with_replica,
 )
 from .generation import (
+    Rollouts,
     compile_decoding,
     generate,
     left_pad,
@@ -75,7 +81,12 @@ from .grpo import (
     step_prompts,
     token_logprobs_and_entropy,
 )
-from .process_supervision import FORWARD_COST_KEYS, process_metrics, scorer_tokens
+from .process_supervision import (
+    FORWARD_COST_KEYS,
+    learned_states,
+    process_metrics,
+    scorer_tokens,
+)
 from .run_dir import print_line
 from .tokenizer import pad_id_of
 from .variants import extra_prompts, loss_function
@@ -384,6 +395,7 @@ def general_rollouts(model, tokenizer, examples, device, config, reward_fn, adva
     num_generated_tokens) the whole step's, in prompt order, round after round.
     """
     t0 = time.time()
+    advantage_fn = whole_step_hook(advantage_fn)
     scorer_before = scorer_tokens(advantage_fn)
     forward_before = scorer_tokens(advantage_fn, FORWARD_COST_KEYS)
     P, G = config.prompts_per_step, config.num_rollouts
@@ -428,6 +440,54 @@ def general_rollouts(model, tokenizer, examples, device, config, reward_fn, adva
         "t0": t0, "rollout_s": time.time() - t0, "sampling_rounds": len(batches),
         "scorer_tokens": int(scorer), "scorer_forward_tokens": int(scorer_forward),
         "metrics": {**process_metrics(batch.samples), **branch}}
+
+
+def whole_step_hook(advantage_fn):
+    """`advantage_fn`, or with several processes and a step scorer that learns as it scores
+    (`process_supervision.learned_states`: the online PRM) its `WholeStepHook`."""
+    if world_size() > 1 and learned_states(advantage_fn):
+        return WholeStepHook(advantage_fn)
+    return advantage_fn
+
+
+class WholeStepHook:
+    """A process hook (`process_supervision.ProcessAdvantageFn`) run by every process on the
+    whole step's groups: each process's groups are gathered in prompt order (the order of the
+    one-process call), every process scores them all, so its step scorer (an online PRM, updated
+    after every group) makes the one-process run's updates in the same order and stays equal to
+    the other processes' copies; each process keeps its own groups' advantages. The scorer's
+    work is repeated on every process; its cost is counted once (rank 0's `step_scorer`)."""
+
+    def __init__(self, hook):
+        self.hook = hook
+        self.last_infos, self.last_groups = [], []
+
+    @property
+    def step_scorer(self):
+        """The hook's scorer on rank 0, None elsewhere: summed over the processes, its tokens
+        are the one-process run's."""
+        return self.hook.step_scorer if is_main() else None
+
+    def __call__(self, groups, outcome_advantages, completion_mask) -> torch.Tensor:
+        everyone = gather_lists([_portable(group) for group in groups])
+        outcomes, start = gather_groups(outcome_advantages)  # (N_all, G), where mine start
+        n, G = len(groups), completion_mask.shape[0] // max(1, len(groups))
+        mask = completion_mask.new_zeros(len(everyone) * G, completion_mask.shape[1])
+        mine = slice(start * G, (start + n) * G)
+        mask[mine] = completion_mask  # the other processes' rows: scored, then dropped
+        adv = self.hook(everyone, outcomes, mask)
+        self.last_infos = self.hook.last_infos[start:start + n]
+        self.last_groups = list(groups)
+        return adv[mine]
+
+
+def _portable(group):
+    """A group (example, rollouts, rewards) to send to the other processes: its rollouts' token
+    tensors on the CPU, without sampler log-probs."""
+    example, ro, scored = group
+    return example, Rollouts(ro.prompt_ids.cpu(), ro.completion_ids.cpu(),
+                             ro.completion_mask.cpu(), list(ro.texts), ro.lengths.cpu(),
+                             ro.truncated.cpu()), scored
 
 
 def _branches(model, tokenizer, batch, advantage_fn, config, device, prompts):

@@ -77,6 +77,7 @@ from .interrupts import DEFAULT_STOP_SIGNALS, defer_interrupts, polling_stops, s
 from .process import CREDIT_CONTROLS, LOCAL_STEP_WEIGHT, VARIANTS
 from .process_supervision import (
     PROCESS_COLUMNS,
+    learned_states,
     make_process_advantage_fn,
 )
 from .prompts import render_prompt
@@ -712,7 +713,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     columns = METRIC_COLUMNS + [f"{n}_mean" for n in s.reward_names
                                 if f"{n}_mean" not in METRIC_COLUMNS]
     run = StepRun(out, model, tokenizer, s.optimizer, config, columns, plot_columns(config),
-                  layer.replica)
+                  layer.replica, learned_states(s.advantage_fn))  # an online PRM's, if any
     if run.restore(resume_from, base_evaluation) is not None:
         run.saved = (None, run.completed, run.eval_pending)
         layer.refresh_sampler()

@@ -1,7 +1,8 @@
 """Data-parallel GRPO: `torchrun --nproc-per-node 2 chapters/ch07_train.py` on two CPU processes
 (Gloo) makes the one-process run, rank 0 alone writes, Ctrl-C on one rank leaves a checkpoint
-that resumes exactly; and the pieces: per-prompt generators, sharded rollouts and advantages,
-dynamic sampling's cut, the interrupt hand-over."""
+that resumes exactly, an online PRM stays the same on every process; and the pieces: per-prompt
+generators, sharded rollouts and advantages, dynamic sampling's cut, the interrupt hand-over,
+the whole-step process hook."""
 
 import copy
 import importlib.util
@@ -15,15 +16,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from rollout_helpers import rollouts_from_texts
 from tolerance import assert_trained_alike, saved_weights
 
 from reasoning_from_scratch import distributed, systems, training
+from reasoning_from_scratch.checkpoints import state_to_flat
 from reasoning_from_scratch.generation import row_uniforms, sample_next_token
 from reasoning_from_scratch.grpo import RolloutBatch, collect_rollouts
 from reasoning_from_scratch.interrupts import defer_interrupts, record_interrupts
+from reasoning_from_scratch.online_prm import OnlinePRMStepScorer
+from reasoning_from_scratch.prm import ProcessRewardModel, load_prm, save_prm
+from reasoning_from_scratch.process_supervision import ProcessAdvantageFn
+from reasoning_from_scratch.prompts import render_prompt
+from reasoning_from_scratch.run_dir import check_states_agree
 from reasoning_from_scratch.run_log import read_metrics
 from reasoning_from_scratch.training import TIMING_COLUMNS, rollout_generators
-from reasoning_from_scratch.weights import load_pretrained, resolve_model_dir
+from reasoning_from_scratch.weights import load_pretrained, read_safetensors, resolve_model_dir
 
 pytestmark = pytest.mark.slow  # process groups under torchrun: pyproject.toml's markers
 
@@ -327,6 +335,139 @@ def test_two_processes_log_the_one_process_step_statistics(tmp_path):
         [{c: r[c] for c in columns} for r in rows1]
     assert all(0.0 <= r["proc_step_correct_rate"] <= 1.0 for r in rows2)
     assert any(r["sampling_rounds"] > 1 for r in rows2)  # groups of several rounds pooled
+
+
+# ----------------------------------------------------------------------------------------------
+# An online PRM: re-fitted on every group, the same on every process
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prm_dir(tmp_path_factory):
+    """A PRM on the bundled model's backbone (a fresh head), as `online-prm:PATH` reads it."""
+    model, tokenizer = load_pretrained("tiny-arith", device="cpu")
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("prm") / "prm"
+    save_prm(ProcessRewardModel(backbone=model), tokenizer, out)
+    return out
+
+
+def test_two_processes_keep_the_one_process_online_prm(tmp_path, prm_dir):
+    """Each process scores its share of every step's groups; the online PRM's updates must see
+    them all, in order (`systems.WholeStepHook`): the run ends (its check that the PRM copies
+    agree passes) with the one-process run's PRM, rows and samples."""
+    flags = ["--dtype", "float64", "--steps", "2", "--prompts-per-step", "4",
+             "--num-rollouts", "4", "--max-new-tokens", "40", "--eval-examples", "2",
+             "--eval-every", "0", "--eval-batch-size", "2", "--train-examples", "32",
+             "--train-level-weights", "1,1,0,0,0", "--sample-every", "1", "--lr", "1e-3",
+             "--warmup-steps", "0", "--supervision", "process", "--step-scorer",
+             f"online-prm:{prm_dir}", "--process-variant", "progress", "--threads", "1",
+             "--device", "cpu", "--no-progress"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    proc, _ = _torchrun(tmp_path, two, ["--output-dir", str(two), *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_here(["--output-dir", str(one), *flags])
+    prm2, prm1 = (read_safetensors(d / "final" / "step_scorer.safetensors") for d in (two, one))
+    assert prm2.keys() == prm1.keys() and all(torch.equal(prm2[k], prm1[k]) for k in prm1)
+    start = read_safetensors(prm_dir / "prm_head.safetensors")
+    assert not all(torch.equal(prm1[f"prm.score_head.{k}"], start[k]) for k in start)  # learned
+    # (not forward_tokens: each process pads its own rows; the PRM's reads are counted once,
+    # as the whole-step hook's test shows)
+    columns = [*training.PROCESS_COLUMNS.values(), *REWARD_COLUMNS]
+    assert [{c: r[c] for c in columns} for r in _rows(two)] == \
+        [{c: r[c] for c in columns} for r in _rows(one)]
+    assert (two / "samples.jsonl").read_text() == (one / "samples.jsonl").read_text()
+
+
+GOOD = " <think>\nStep 1: {a}+{b}={s}\n</think>\n\\boxed{{{s}}}"
+BAD = " <think>\nStep 1: {a}+{b}={w}\n</think>\n\\boxed{{{w}}}"
+# (a, b): 4 groups of 3 completions (right, wrong, wrong), 2 groups per process
+HOOK_GROUPS = [(3, 4), (12, 9), (25, 17), (6, 8)]
+
+
+def _prm_groups(tokenizer):
+    """The groups (example, rollouts, rewards), their outcome advantages and completion mask
+    (each group's mask right-padded to the longest)."""
+    groups = []
+    for a, b in HOOK_GROUPS:
+        example = {"problem": f"Compute {a}+{b}", "answer": str(a + b)}
+        texts = [GOOD.format(a=a, b=b, s=a + b), BAD.format(a=a, b=b, w=a + b + 1),
+                 BAD.format(a=a, b=b, w=a + b + 10)]
+        ro = rollouts_from_texts(tokenizer, render_prompt(example["problem"]), texts)
+        groups.append((example, ro, None))
+    outcomes = torch.tensor([[1.0, -0.5, -0.5]] * len(groups))
+    T = max(ro.completion_mask.shape[1] for _, ro, _ in groups)
+    mask = torch.cat([torch.nn.functional.pad(ro.completion_mask, (0, T - ro.completion_mask
+                                                                   .shape[1]))
+                      for _, ro, _ in groups])
+    return groups, outcomes, mask
+
+
+def _prm_hook(prm_dir):
+    """A process hook scored by an online PRM read from `prm_dir` (the same on every process)."""
+    prm, tokenizer = load_prm(prm_dir)
+    return ProcessAdvantageFn(tokenizer, OnlinePRMStepScorer(prm, tokenizer, lr=1e-2),
+                              variant="progress")
+
+
+def _whole_step_worker(rank_, init_file, out_dir, prm_dir):
+    """One of two Gloo processes: its share of the groups through `systems.whole_step_hook`,
+    and, for contrast, through the plain hook (each process learning from its own groups)."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank_,
+                                         world_size=2)
+    try:
+        hook = _prm_hook(prm_dir)
+        groups, outcomes, _ = _prm_groups(hook.tokenizer)
+        start, stop = distributed.shard_range(len(groups))
+        mine = groups[start:stop]
+        T = max(ro.completion_mask.shape[1] for _, ro, _ in mine)
+        mask = torch.cat([torch.nn.functional.pad(ro.completion_mask, (0, T - ro.completion_mask
+                                                                       .shape[1]))
+                          for _, ro, _ in mine])
+        whole = systems.whole_step_hook(hook)
+        adv = whole(mine, outcomes[start:stop], mask)
+        check_states_agree({"step_scorer": hook.step_scorer})  # raises if they differ
+        plain = _prm_hook(prm_dir)
+        plain(mine, outcomes[start:stop], mask)
+        try:
+            check_states_agree({"step_scorer": plain.step_scorer})
+            plain_error = None
+        except RuntimeError as err:
+            plain_error = str(err)
+        torch.save({"wrapped": isinstance(whole, systems.WholeStepHook), "adv": adv,
+                    "infos": [info["step_rewards"] for info in whole.last_infos],
+                    "groups": [g[0] for g in whole.last_groups],
+                    "cost": whole.step_scorer is not None,
+                    "state": state_to_flat(hook.step_scorer.state_dict())[0],
+                    "plain": state_to_flat(plain.step_scorer.state_dict())[0],
+                    "plain_error": plain_error}, f"{out_dir}/{rank_}.pt")
+    finally:
+        distributed.shutdown_distributed()
+
+
+def test_the_whole_step_hook_makes_every_process_learn_the_one_process_prm(tmp_path, prm_dir):
+    torch.multiprocessing.spawn(_whole_step_worker,
+                                args=(str(tmp_path / "init"), str(tmp_path), str(prm_dir)),
+                                nprocs=2)
+    one = _prm_hook(prm_dir)  # one process: every group, in order
+    groups, outcomes, mask = _prm_groups(one.tokenizer)
+    adv = one(groups, outcomes, mask)
+    want = state_to_flat(one.step_scorer.state_dict())[0]
+    got = [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
+    G = 3
+    for r, part in enumerate(got):
+        assert part["wrapped"] and part["cost"] == (r == 0)  # the PRM's tokens counted once
+        assert part["state"].keys() == want.keys()
+        assert all(torch.equal(part["state"][k], want[k]) for k in want)
+        rows = slice(2 * r * G, 2 * (r + 1) * G)
+        T = part["adv"].shape[1]
+        assert torch.equal(part["adv"], adv[rows, :T]) and not adv[rows, T:].any()
+        assert part["infos"] == [info["step_rewards"] for info in one.last_infos[2 * r:2 * r + 2]]
+        assert part["groups"] == [g[0] for g in groups[2 * r:2 * r + 2]]
+    # without the whole step each process's PRM learns from its own groups: they differ, and
+    # the run's end-of-run check says so
+    assert any(not torch.equal(got[0]["plain"][k], got[1]["plain"][k]) for k in want)
+    assert all("the step_scorer's state differs between ranks" in p["plain_error"] for p in got)
 
 
 # ----------------------------------------------------------------------------------------------
