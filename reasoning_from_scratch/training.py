@@ -570,11 +570,10 @@ def update(model, optimizer, batch: RolloutBatch, old_logp, ref_logp, config, lo
         if loss.requires_grad:  # a micro-batch without loss tokens (all masked) has no graph
             (loss * w).backward()
         add_stats(sums, out, loss, w, w_stat)
-    grad_norm = float("nan")
-    if finite_:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                         config.max_grad_norm))
-        finite_ = math.isfinite(grad_norm)  # a NaN/inf in any gradient makes the norm one
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)) \
+        if finite_ else float("nan")
+    finite_ = finite_ and math.isfinite(grad_norm) and all(  # the *clipped* gradient: finite
+        bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
     if not finite_:  # never let a NaN/inf reach the weights or the AdamW moments
         optimizer.zero_grad(set_to_none=True)
         sums.setdefault("loss", float("nan"))
