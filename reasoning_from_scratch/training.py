@@ -83,7 +83,7 @@ from .process_supervision import (
 from .prompts import render_prompt
 from .rewards import build_reward
 from .run_dir import StepRun, eval_line, print_line, start_run, stop_if_interrupted
-from .systems import SystemsLayer, general_rollout_stage, systems_layer
+from .systems import SystemsLayer, check_processes, general_rollout_stage, systems_layer
 from .tracking import report_problem, report_targets
 from .validation import (
     at_least,
@@ -702,6 +702,7 @@ def train_grpo(model, tokenizer, train_examples, eval_examples, device, config: 
     starts ("base_eval", "rollouts", "update", "eval", "checkpoint", "final_eval",
     "final_save"). Data-parallel: every process of a torchrun group calls this with the same
     arguments and its own device (docs/data_parallel.md); rank 0 alone writes and prints."""
+    check_processes(config)  # before anything is written
     config, out, hook = start_run(config, resume_from, overwrite, phase_hook)
     layer = systems_layer(model, tokenizer, train_examples, eval_examples, device, config,
                           prompt_fn)

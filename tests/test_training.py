@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reasoning_from_scratch import training
+from reasoning_from_scratch import systems, training
 from reasoning_from_scratch.checkpoints import find_checkpoint
 from reasoning_from_scratch.cli import train as training_cli
 from reasoning_from_scratch.grpo import batch_logprobs, collect_rollouts
@@ -363,3 +363,17 @@ def test_forward_tokens_counts_prefill_and_update_passes_by_hand():
     assert training.forward_tokens(batch, GRPOConfig(inner_epochs=1), True) == 10 + 2 * 22
     # 2 epochs with gradients + the old policy's log-probs + the reference: 4 passes
     assert training.forward_tokens(batch, GRPOConfig(inner_epochs=2), True) == 10 + 4 * 22
+
+
+def test_more_processes_than_prompts_are_refused_before_anything_is_written(tmp_path,
+                                                                            monkeypatch):
+    """A process without a prompt of its own would sample nothing: `train_grpo` refuses the
+    run before its directory exists."""
+    monkeypatch.setattr(systems, "world_size", lambda: 3)
+    out = tmp_path / "run"
+    config = GRPOConfig(prompts_per_step=2, output_dir=str(out), progress=False)
+    with pytest.raises(ValueError, match="3 processes need at least as many prompts per step"):
+        train_grpo(None, None, TRAIN, HELD_OUT, "cpu", config)
+    assert not out.exists()
+    monkeypatch.setattr(systems, "world_size", lambda: 2)  # as many as prompts: no refusal
+    systems.check_processes(config)
