@@ -309,4 +309,5 @@ def with_branch_rows(batch: RolloutBatch, rows: RolloutBatch | None,
     merged = concat_rollout_batches([batch, replace(rows, rewards=batch.rewards[:0])], pad_id)
     return replace(merged, rewards=batch.rewards, samples=batch.samples,
                    zero_adv_frac=batch.zero_adv_frac,
-                   num_generated_tokens=batch.num_generated_tokens)
+                   num_generated_tokens=batch.num_generated_tokens,
+                   extra_rows=batch.extra_rows + rows.size)

@@ -379,6 +379,7 @@ class RolloutBatch:
     zero_adv_frac: float = 0.0  # fraction of groups whose rewards were all equal
     num_generated_tokens: int = 0  # generated tokens of all rollouts (for tokens/s)
     sampler_logp: torch.Tensor | None = None  # (B, Tc) the sampler's token log-probs, if recorded
+    extra_rows: int = 0  # rows below the rollouts' that add loss terms (branching.py's branches)
 
     @property
     def size(self) -> int:
@@ -653,12 +654,40 @@ def rollout_generators(device, seed, step, indices):
 # Micro-batches: their weights and statistics
 # ----------------------------------------------------------------------------------------------
 
+def batch_totals(batch) -> tuple[int, float, int, float]:
+    """(rows, answer tokens) of the whole batch, then of its rollouts alone: the loss's
+    normalisers. Extra rows (`extra_rows`, branches) add their own terms, each weighted as one
+    rollout, without shrinking the rollouts' share (docs/process_supervision_forms.md)."""
+    own = batch.size - batch.extra_rows
+    mask = batch.completion_mask
+    return batch.size, float(mask.sum()), own, float(mask[:own].sum())
+
+
 def micro_batch_weights(mb, totals, loss_type):
-    """(loss weight, statistics weight) of a micro-batch, its shares of the whole batch's
-    (rollouts, answer tokens) `totals`: the accumulated gradient is then the batch's."""
-    rows, share = totals[0], float(mb.completion_mask.sum()) / max(1.0, totals[1])
-    w = share if loss_type in ("dapo", "cispo") else mb.size / max(1, rows)  # token / row mean
-    return w, mb.size / rows if loss_type in SEQUENCE_LOSS_TYPES else share
+    """(loss weight, statistics weight) of a micro-batch: its share of the rollouts' (rows,
+    answer tokens) and of the whole batch's (`batch_totals`), so the accumulated gradient is
+    the batch's and the statistics are means over every row."""
+    tokens = float(mb.completion_mask.sum())
+    share = tokens / max(1.0, totals[1])
+    w = tokens / max(1.0, totals[3]) if loss_type in ("dapo", "cispo") \
+        else mb.size / max(1, totals[2])  # token / row mean
+    return w, mb.size / totals[0] if loss_type in SEQUENCE_LOSS_TYPES else share
+
+
+def padding_tokens(batch) -> tuple[int, int]:
+    """(real, padding) positions of the batch's rows: a row's real positions are its prompt
+    without left padding and its completion up to its last loss token (all Tc columns for a
+    row without one, e.g. a masked truncated rollout); the rest is right padding."""
+    cm = batch.completion_mask  # (B, Tc)
+    Tc = cm.shape[1]
+    last = (cm.long() * torch.arange(1, Tc + 1, device=cm.device)).amax(-1)  # (B,) 0: none
+    completion = torch.where(last > 0, last, torch.full_like(last, Tc))
+    positions = batch.input_ids.numel() if batch.attention_mask is None \
+        else int(batch.attention_mask.sum())
+    prompt = batch.size * batch.prompt_len if batch.attention_mask is None \
+        else int(batch.attention_mask[:, :batch.prompt_len].sum())
+    real = prompt + int(completion.sum())
+    return real, positions - real
 
 
 MEAN_STATS = ("entropy", "ratio_mean", "clip_frac_low", "clip_frac_high", "tis_weight_mean",
@@ -719,5 +748,5 @@ __all__: Sequence[str] = [
     "sequence_logprob_and_entropy", "token_logprobs_and_entropy", "k3_kl", "clipped_surrogate",
     "aggregate_loss", "policy_loss", "RolloutBatch", "pack_rollouts", "collect_rollouts",
     "concat_rollout_batches", "batch_logprobs", "step_prompts", "rollout_generators",
-    "micro_batch_weights", "loss_on_batch",
+    "batch_totals", "micro_batch_weights", "padding_tokens", "loss_on_batch",
 ]

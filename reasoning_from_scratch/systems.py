@@ -73,6 +73,7 @@ from .grpo import (
     MEAN_STATS,
     add_stats,
     batch_logprobs,
+    batch_totals,
     collect_rollouts,
     concat_rollout_batches,
     loss_on_batch,
@@ -325,11 +326,11 @@ def _step_if_finite(model, optimizer, config, finite_, sums):
     return {**sums, "grad_norm": grad_norm, "skipped": int(not finite_)}
 
 
-def global_totals(batch) -> tuple[int, float]:
-    """(rollouts, answer tokens) entering the loss, summed over every process of the run: the
+def global_totals(batch) -> tuple[int, float, int, float]:
+    """`grpo.batch_totals` summed over every process of the run: the
     normalisers that make N processes' update equal the one-process update."""
-    rows, tokens = all_reduce_sum([batch.size, float(batch.completion_mask.sum())])
-    return int(rows), tokens
+    rows, tokens, own, own_tokens = all_reduce_sum(list(batch_totals(batch)))
+    return int(rows), tokens, int(own), own_tokens
 
 
 # Loss statistics of `general_update` that are sums of shares of the whole batch.

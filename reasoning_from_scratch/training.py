@@ -26,8 +26,9 @@ A step's costs (`step_costs`), counted alike for every arm of an experiment: dec
 the tokens sampled (rollouts, a process scorer's continuations, branches); forward_tokens the
 tokens read without sampling: each rollout's prompt once (sampling prefills a group's prompt
 once and repeats its cache, so this counts (G - 1) prompts per group more than were computed,
-the same for every arm), then each row of the update (its positions less the prompt's left
-padding; the completions' right padding counted, as the forward pass computes it) once per
+the same for every arm), then each row of the update (its prompt without left padding and its
+completion up to its last loss token; the right padding the pass also computes is logged apart,
+forward_pad_tokens) once per
 inner epoch, once more for the old policy's log-probs (inner epochs > 1) and once for the
 reference's, plus a scorer's reads. Backward passes are not counted (about two forwards each).
 
@@ -66,10 +67,12 @@ from .grpo import (
     RolloutBatch,
     add_stats,
     batch_logprobs,
+    batch_totals,
     collect_rollouts,
     loss_on_batch,
     mean_over_epochs,
     micro_batch_weights,
+    padding_tokens,
     rollout_generators,
     step_prompts,
 )
@@ -103,7 +106,8 @@ METRIC_COLUMNS = [
     "step", "loss", "pg_loss", "kl", "reward_mean", "reward_std", "correct_mean", "format_mean",
     "adv_mean", "adv_std", "zero_adv_frac", "entropy", "ratio_mean", "ratio_max",
     "clip_frac_low", "clip_frac_high", "len_mean", "len_max", "truncated_frac", "grad_norm",
-    "skipped", "gen_tokens", "scorer_tokens", "decode_tokens", "forward_tokens", "tokens_per_s",
+    "skipped", "gen_tokens", "scorer_tokens", "decode_tokens", "forward_tokens", "forward_pad_tokens",
+    "tokens_per_s",
     "rollout_s", "update_s", "step_time", "lr", "sampling_rounds", "tis_weight_mean",
     "off_policy_mask_frac",
     *PROCESS_COLUMNS.values(), "branch_rows", "branch_correct_rate",
@@ -554,7 +558,7 @@ def update(model, optimizer, batch: RolloutBatch, old_logp, ref_logp, config, lo
     weights and AdamW moments untouched) when the loss or the clipped gradient is not finite."""
     loss_fn = loss_fn or loss_function(config)
     optimizer.zero_grad(set_to_none=True)
-    totals = (batch.size, float(batch.completion_mask.sum()))
+    totals = batch_totals(batch)
     mbs = config.micro_batch_size or max(1, batch.size)
     sums, finite_ = {"ratio_max": None}, True
     for i in range(0, batch.size, mbs):
@@ -586,23 +590,24 @@ def step_costs(s: Step, batch: RolloutBatch, cost: dict, t1: float) -> dict:
     """A row's seconds and tokens: sampled (decode_tokens) and read (forward_tokens)."""
     t2 = time.time()  # this process's own clock: rank 0's times are the ones logged
     scorer = cost["scorer_tokens"]
+    forward, padding = forward_tokens(batch, s.config, s.ref_model is not None, s.total)
     return dict(rollout_s=cost["rollout_s"], update_s=t2 - t1, step_time=t2 - cost["t0"],
                 sampling_rounds=cost["sampling_rounds"],
                 tokens_per_s=batch.num_generated_tokens / max(t2 - cost["t0"], 1e-9),
                 gen_tokens=batch.num_generated_tokens, scorer_tokens=scorer,
                 decode_tokens=batch.num_generated_tokens + scorer,
-                forward_tokens=forward_tokens(batch, s.config, s.ref_model is not None, s.total)
-                + cost["scorer_forward_tokens"], **cost.get("metrics", {}))
+                forward_tokens=forward + cost["scorer_forward_tokens"],
+                forward_pad_tokens=padding, **cost.get("metrics", {}))
 
 
-def forward_tokens(batch, config, with_reference: bool, total=list) -> int:
-    """Tokens the policy and its reference read in a step without sampling them (summed over the
-    processes by `total`; the module docstring says what counts)."""
+def forward_tokens(batch, config, with_reference: bool, total=list) -> tuple[int, int]:
+    """Tokens the policy and its reference read in a step without sampling them, and the right
+    padding those passes also computed (each summed over the processes by `total`; the module
+    docstring says what counts)."""
     prefill = sum(s.get("prompt_tokens", 0) for s in batch.samples)  # the whole step's
-    rows = batch.input_ids.numel() if batch.attention_mask is None \
-        else int(batch.attention_mask.sum())
     passes = config.inner_epochs + (config.inner_epochs > 1) + with_reference
-    return int(prefill + total([float(rows * passes)])[0])
+    real, padding = total([float(n * passes) for n in padding_tokens(batch)])
+    return int(prefill + real), int(padding)
 
 
 def grpo_loss_on_batch(model, batch: RolloutBatch, old_logp=None, ref_logp=None, loss_type="grpo",

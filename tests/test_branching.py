@@ -452,3 +452,73 @@ def test_a_branch_rows_loss_and_gradient_come_from_its_step_alone(think_model):
     torch.optim.SGD(model.parameters(), lr=1e-2).step()
     j1, gap1 = objective_and_gap()
     assert j1 > j0 and gap1 > gap0
+
+
+def _rollout_rows(tok):
+    """Three of HAND_GROUP's completions of EXAMPLE as a batch with token advantages."""
+    from reasoning_from_scratch.grpo import pack_rollouts
+    comps = [tok.encode(t) + [tok.eos_token_id] for t in HAND_GROUP[:3]]
+    T = max(map(len, comps))
+    ids = torch.tensor([c + [0] * (T - len(c)) for c in comps])
+    mask = torch.arange(T)[None] < torch.tensor([len(c) for c in comps])[:, None]
+    input_ids, am, P, cmask = pack_rollouts([torch.tensor(tok.encode(EXAMPLE["problem"]))],
+                                            [ids], [mask])
+    adv = cmask.float() * torch.tensor([[1.0], [-0.5], [0.25]])
+    return RolloutBatch(input_ids, am, P, cmask, adv, torch.zeros(1, 3),
+                        samples=[{"prompt_tokens": P}] * 3)
+
+
+def _update_grad(model, batch, loss_type, mbs=None):
+    """The gradient `training.update` leaves (SGD at lr 0, no clipping)."""
+    import copy
+
+    from reasoning_from_scratch import training
+    m = copy.deepcopy(model)
+    config = GRPOConfig(loss_type=loss_type, max_grad_norm=1e9, micro_batch_size=mbs)
+    out = training.update(m, torch.optim.SGD(m.parameters(), lr=0.0), batch, None, None, config)
+    assert out["skipped"] == 0
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                      for p in m.parameters()])
+
+
+@pytest.mark.parametrize("loss_type,mbs", [("grpo", None), ("grpo", 2), ("dapo", None),
+                                           ("dapo", 2)])
+def test_branch_rows_add_their_terms_without_diluting_the_rollouts(think_model, loss_type,
+                                                                    mbs):
+    """The rollouts keep the weight they have without branches: the gradient on rollouts +
+    branch rows is the rollouts' own plus the branch rows' terms, each branch row weighted as
+    one rollout (grpo: per row; dapo: per answer token); micro-batches change nothing.
+    Dividing by every row instead (the mean over all rows) scales the whole gradient down, the
+    rollouts' part to 3/5 of what it is without branches."""
+    import copy
+
+    from reasoning_from_scratch.grpo import batch_totals
+    from reasoning_from_scratch.training import grpo_loss_on_batch
+    model, tok = think_model
+    rollouts = _rollout_rows(tok)
+    prefix = tok.encode(" <think>\nStep 1: 16-8=8\n")
+    good, bad = tok.encode("Step 2: 8*7=56\n"), tok.encode("Step 2: 8*7=54\n")
+    ro = type("R", (), {"prompt_ids": torch.tensor(tok.encode(EXAMPLE["problem"]))})()
+    rows = branch_rows([Branch(0, prefix, good, 1.0, 2.0), Branch(0, prefix, bad, 0.0, -1.0)],
+                       [(EXAMPLE, ro)])
+    merged = with_branch_rows(rollouts, rows)
+    assert merged.extra_rows == 2 and merged.size == 5
+    rows_all, tokens_all, own, own_tokens = batch_totals(merged)
+    assert (rows_all, own) == (5, 3) and own_tokens == float(rollouts.completion_mask.sum())
+    assert tokens_all == own_tokens + float(rows.completion_mask.sum())
+
+    m = copy.deepcopy(model)
+    scale = rows.size / 3 if loss_type == "grpo" else \
+        float(rows.completion_mask.sum()) / own_tokens
+    (grpo_loss_on_batch(m, rows, loss_type=loss_type)["loss"] * scale).backward()
+    branch_grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                             for p in m.parameters()])
+    expected = _update_grad(model, rollouts, loss_type) + branch_grad
+    got = _update_grad(model, merged, loss_type, mbs)
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-6)
+    n_own, n_rows = (3, 2) if loss_type == "grpo" else (own_tokens, tokens_all - own_tokens)
+    diluted = (n_own * _update_grad(model, rollouts, loss_type)
+               + n_rows * branch_grad / scale) / (n_own + n_rows)  # the mean over every row
+    assert torch.allclose(diluted, got * n_own / (n_own + n_rows), rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(got, diluted, rtol=1e-2, atol=1e-5)
+

@@ -247,7 +247,7 @@ def test_ch07_script_runs_the_outcome_anchored_forms(tmp_path, monkeypatch, scor
     out = tmp_path / "run"
     policy_reads, real = [], training.forward_tokens
     monkeypatch.setattr(training, "forward_tokens",
-                        lambda *a: policy_reads.append(real(*a)) or policy_reads[-1])
+                        lambda *a: policy_reads.append(real(*a)[0]) or real(*a))
     summary = _load_script("ch07_train").main([
         "--supervision", "process", "--step-scorer", scorer, "--process-variant", variant,
         "--process-alpha", "0.5", "--mc-rollouts", "2", "--steps", "1",
@@ -357,12 +357,21 @@ def test_forward_tokens_counts_prefill_and_update_passes_by_hand():
     assert ids.shape == (4, 6)  # 3 prompt columns + 3 completion columns
     samples = [{"prompt_tokens": 3}] * 2 + [{"prompt_tokens": 2}] * 2
     batch = RolloutBatch(ids, am, P, cmask, torch.zeros(4), torch.zeros(2, 2), samples)
-    # prefill 3 + 3 + 2 + 2 = 10; the update reads 4 x 6 = 24 positions less the 2 left pads
-    # of the second prompt's rows = 22 per pass
-    assert training.forward_tokens(batch, GRPOConfig(inner_epochs=1), False) == 10 + 22
-    assert training.forward_tokens(batch, GRPOConfig(inner_epochs=1), True) == 10 + 2 * 22
+    # prefill 3 + 3 + 2 + 2 = 10; the update computes 4 x 6 = 24 positions less the 2 left
+    # pads of the second prompt's rows = 22 per pass, of which real: 3 + 3, 3 + 1, 2 + 2, 2 + 2
+    # = 18 and right padding 4 (two after the 1-token completion, one after each 2-token one)
+    assert training.forward_tokens(batch, GRPOConfig(inner_epochs=1), False) == (10 + 18, 4)
+    assert training.forward_tokens(batch, GRPOConfig(inner_epochs=1), True) == (10 + 2 * 18, 8)
     # 2 epochs with gradients + the old policy's log-probs + the reference: 4 passes
-    assert training.forward_tokens(batch, GRPOConfig(inner_epochs=2), True) == 10 + 4 * 22
+    assert training.forward_tokens(batch, GRPOConfig(inner_epochs=2), True) == (10 + 4 * 18,
+                                                                                 16)
+    # without an attention mask (prompts of one width) every position is computed; a row
+    # without loss tokens (a masked truncated rollout) counts its whole width as real
+    ids, am, P, cmask = pack_rollouts([torch.tensor([1, 2])], [comp_a],
+                                      [torch.tensor([[1, 1, 0], [0, 0, 0]]).bool()])
+    assert am is None
+    nomask = RolloutBatch(ids, am, P, cmask, torch.zeros(2), torch.zeros(1, 2), [])
+    assert training.forward_tokens(nomask, GRPOConfig(inner_epochs=1), False) == (4 + 5, 1)
 
 
 def test_more_processes_than_prompts_are_refused_before_anything_is_written(tmp_path,

@@ -60,6 +60,10 @@ LEDGER = (
           "process_vs_outcome_tuned.json:val_branch"),
     Entry("test: branches at the first error", "tiny-arith-think", "test",
           (15, 16, 17, 18, 19, 20), "process_vs_outcome_tuned.json:test_branch"),
+    Entry("val: branch rows weighted as rollouts, padding left out (fresh seeds)",
+          "tiny-arith-think", "val", (21, 22, 23)),
+    Entry("test: branch rows weighted as rollouts, padding left out (fresh seeds)",
+          "tiny-arith-think", "test", (24, 25, 26)),
 )
 
 
