@@ -45,20 +45,22 @@ def test_the_cost_columns_add_up_step_by_step(tmp_path):
     )
 
     csv = tmp_path / "metrics.csv"
-    csv.write_text("step,step_time,gen_tokens,scorer_tokens,forward_tokens\n"
-                   "1,2.0,100,30,500\n"
-                   "2,,120,10,700\n"
-                   "3,1.5,80,0,400\n")
+    csv.write_text("step,step_time,gen_tokens,scorer_tokens,forward_tokens,forward_pad_tokens\n"
+                   "1,2.0,100,30,500,50\n"
+                   "2,,120,10,700,0\n"
+                   "3,1.5,80,0,400,25\n")
     costs = _cumulative_costs(csv)
-    assert costs == {0: (0.0, 0.0, 0.0, 0.0), 1: (2.0, 100.0, 30.0, 500.0),
-                     2: (2.0, 220.0, 40.0, 1200.0), 3: (3.5, 300.0, 40.0, 1600.0)}
+    assert costs == {0: (0.0,) * 5, 1: (2.0, 100.0, 30.0, 500.0, 50.0),
+                     2: (2.0, 220.0, 40.0, 1200.0, 50.0), 3: (3.5, 300.0, 40.0, 1600.0, 75.0)}
     point = _make_point(2, costs, {"accuracy": 0.5})
     assert point == {"step": 2, "seconds": 2.0, "gen_tokens": 220.0, "scorer_tokens": 40.0,
-                     "tokens": 260.0, "forward_tokens": 1200.0, "accuracy": 0.5}
-    old = tmp_path / "old.csv"  # written before forward_tokens was logged
+                     "tokens": 260.0, "forward_tokens": 1200.0, "forward_pad_tokens": 50.0,
+                     "accuracy": 0.5}
+    old = tmp_path / "old.csv"  # written before forward_tokens (and its padding) was logged
     old.write_text("step,step_time,gen_tokens,scorer_tokens\n1,2.0,100,30\n")
-    secs, gen, scorer, forward = _cumulative_costs(old)[1]
+    secs, gen, scorer, forward, padding = _cumulative_costs(old)[1]
     assert (secs, gen, scorer) == (2.0, 100.0, 30.0) and math.isnan(forward)
+    assert math.isnan(padding)
 
 
 def test_summary_equal_compute_rows():

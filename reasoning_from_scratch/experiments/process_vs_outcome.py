@@ -398,12 +398,13 @@ def _load_curve(run_dir):
     return curve
 
 
-COST_COLUMNS = ("step_time", "gen_tokens", "scorer_tokens", "forward_tokens")
+COST_COLUMNS = ("step_time", "gen_tokens", "scorer_tokens", "forward_tokens",
+                "forward_pad_tokens")
 
 
 def _cumulative_costs(metrics_csv):
-    """step -> (training seconds, rollout tokens, step-scorer tokens, forward tokens), summed up
-    to that step.
+    """step -> (training seconds, rollout tokens, step-scorer tokens, forward tokens, their right
+    padding), summed up to that step.
 
     Seconds are the trainer's step_time (rollouts + scoring + updates, no evaluation); a token
     sum is NaN if the run's metrics.csv has no such column (written by an older version).
@@ -420,9 +421,10 @@ def _cumulative_costs(metrics_csv):
 def _make_point(step, costs, figures):
     """One evaluated checkpoint: step, seconds, cumulative tokens (sampled: `tokens`, rollouts +
     scorer; read without sampling: `forward_tokens`) and the held-out figures."""
-    secs, gen, scorer, forward = costs.get(step, (math.nan,) * len(COST_COLUMNS))
+    secs, gen, scorer, forward, padding = costs.get(step, (math.nan,) * len(COST_COLUMNS))
     return {"step": step, "seconds": secs, "gen_tokens": gen, "scorer_tokens": scorer,
-            "tokens": gen + scorer, "forward_tokens": forward, **figures}
+            "tokens": gen + scorer, "forward_tokens": forward, "forward_pad_tokens": padding,
+            **figures}
 
 
 def _checkpoint_points(run_dir, config, tokenizer, held_out, device, summary):
@@ -803,7 +805,7 @@ def summarise(curves, base, reference="outcome"):
     problems and seeds where the points carry per-problem records.
     """
     start = {"step": 0, "seconds": 0.0, "gen_tokens": 0.0, "scorer_tokens": 0.0, "tokens": 0.0,
-             "forward_tokens": 0.0, **base}
+             "forward_tokens": 0.0, "forward_pad_tokens": 0.0, **base}
     curves = {arm: {s: [start, *runs[s]] for s in sorted(runs)} for arm, runs in curves.items()}
     finals = {arm: [pts[-1] for pts in runs.values()] for arm, runs in curves.items()}
     target, budgets = None, {}
@@ -820,6 +822,7 @@ def summarise(curves, base, reference="outcome"):
                **{f"final_{k}": stat([p[k] for p in last]) for k in METRICS},
                "tokens": stat([p["tokens"] for p in last]),
                "forward_tokens": stat([p.get("forward_tokens") for p in last]),
+               "forward_pad_tokens": stat([p.get("forward_pad_tokens") for p in last]),
                "scorer_tokens": stat([p["scorer_tokens"] for p in last]),
                "train_seconds": stat([p["seconds"] for p in last]),
                "steps": max(p["step"] for p in last)}
