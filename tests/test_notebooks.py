@@ -902,6 +902,66 @@ def test_figure_count_counts_images_and_plots():
     assert diagram_count(nb) == 2  # figures/a.png once, figures/b.png; docs/ is not a diagram
 
 
+# Pace and pictures of the whole course (tutorials and solutions): the book's way, short
+# markdown cells and one figure per step of an idea, each with a caption that says what to see.
+MAX_COURSE_WORDS, MAX_MEDIAN_WORDS, MAX_CELL_WORDS, MIN_COURSE_FIGURES = 22_000, 50, 250, 80
+CAPTION = re.compile(r"^\*[^*].*\*$")  # one italic line
+
+
+def _is_caption(line):
+    return bool(CAPTION.match(line.strip())) and 6 <= len(line.split()) <= 40
+
+
+def uncaptioned(nb):
+    """Figures without a caption: an embedded image's caption is the next line of its cell, a
+    plot's the first line of the markdown cell right after its code cell (one italic sentence
+    of 6-40 words)."""
+    missing = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown":
+            lines = cell.source.splitlines() + [""]
+            missing += [f"cell {i}: {link}" for j, line in enumerate(lines[:-1])
+                        for link in IMAGE_LINK.findall(line) if not _is_caption(lines[j + 1])]
+        elif any("image/png" in o.get("data", {}) for o in cell.get("outputs", [])):
+            after = nb.cells[i + 1] if i + 1 < len(nb.cells) else None
+            first = (after.source.strip().splitlines() or [""])[0] \
+                if after is not None and after.cell_type == "markdown" else ""
+            if not _is_caption(first):
+                missing.append(f"cell {i}: plot")
+    return missing
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_every_figure_has_a_caption(path):
+    missing = uncaptioned(_read(path))
+    assert not missing, f"{_name(path)}: figures without a caption sentence: {missing}"
+
+
+def test_caption_check_flags_missing_captions():
+    plot = nbformat.v4.new_output("display_data", data={"image/png": "iVBOR", "text/plain": ""})
+    good = "*The clipped term is flat outside the band, so no gradient there.*"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(f"![a](figures/a.png)\n{good}"),
+                nbformat.v4.new_code_cell("plt.show()", outputs=[plot]),
+                nbformat.v4.new_markdown_cell(good + "\nMore text."),
+                nbformat.v4.new_markdown_cell("![b](figures/b.png)\nNot italic, so no caption."),
+                nbformat.v4.new_code_cell("plt.show()", outputs=[plot]),
+                nbformat.v4.new_code_cell("print(1)"),
+                nbformat.v4.new_markdown_cell("![c](figures/c.png)\n*Too short.*")]
+    assert uncaptioned(nb) == ["cell 3: figures/b.png", "cell 4: plot", "cell 6: figures/c.png"]
+
+
+def test_course_pace_and_pictures():
+    """The whole course: total and median markdown words, no long cell, enough figures."""
+    cells = [c for p in NOTEBOOKS for c in _read(p).cells if c.cell_type == "markdown"]
+    words = sorted(len(c.source.split()) for c in cells)
+    assert sum(words) <= MAX_COURSE_WORDS, f"{sum(words)} markdown words"
+    assert words[(len(words) - 1) // 2] <= MAX_MEDIAN_WORDS
+    assert words[-1] <= MAX_CELL_WORDS, f"a markdown cell of {words[-1]} words"
+    figures = sum(figure_count(_read(p)) for p in NOTEBOOKS)
+    assert figures >= MIN_COURSE_FIGURES, f"{figures} figures across the course"
+
+
 DIAGRAM_SCRIPTS = sorted((NOTEBOOK_DIR / "figures").glob("*_diagrams.py"))
 
 
