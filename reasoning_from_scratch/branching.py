@@ -13,7 +13,13 @@ and the group's own (every completion that reached the state, right or wrong the
 group-normalised rewards (GRPO's, DeepSeekMath section 4.1.2, on a one-step problem,
 `branch_advantages`) are the branch steps' advantages. Each branch becomes a row of the
 step's batch: the prefix is context, only the branch step's tokens enter the loss
-(`branch_rows`).
+(`branch_rows`). The rows are counted as the batch's `extra_rows`: each adds its term weighted
+as one rollout's (the grpo loss's mean is taken over the rollouts, `grpo.batch_totals`), so the
+rollouts' own terms keep the weight they have without branches and the difference between the
+two runs' losses is the branches' terms. A branch is one sampled continuation graded by the
+verifier, the same kind of evidence as a rollout, hence the same weight per row. (Dividing by
+every row instead scales the whole step down by rollouts / all rows, a factor that changes with
+the number of branches from step to step.)
 
 Branching from shared prefixes and training on the branches' own credit follows the tree
 rollouts of TreeRPO (arXiv 2506.05183) and TreeRL (arXiv 2506.11902, which branches from
