@@ -311,13 +311,14 @@ def _update(model, optimizer, batch, old_logp, ref_logp, config):
     mask, T = batch.completion_mask, config.max_new_tokens
     loss = aggregate_loss(-clipped_surrogate(logp, old_logp, adv, config.epsilon,
                                              config.epsilon_high), mask, config.loss_type, T)
-    kl = aggregate_loss(k3_kl(logp, ref_logp), mask, config.loss_type, T) if config.beta else 0.0
+    kl = (aggregate_loss(k3_kl(logp, ref_logp), mask, config.loss_type, T) if config.beta
+          else torch.zeros(()))
     loss = loss + config.beta * kl
     optimizer.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
     optimizer.step()
-    return loss.item(), float(kl)
+    return loss.item(), kl.item()
 
 
 def _log_row(step, batch, updates):
