@@ -16,20 +16,24 @@ def _empty(piece):
     return not re.sub(STEP_TAG, "", piece.replace("<think>", "")).strip()
 
 
+def _cuts(body, mode):
+    """Where steps after the first start: at each tag, or after each (blank) line break."""
+    if mode == "tags":
+        cuts = [m.start() for m in re.finditer(STEP_TAG, body)]
+    else:  # a line break stays with the step it ends
+        cuts = [m.end() for m in re.finditer(BREAKS[mode], body)]
+    return sorted({c for c in cuts if 0 < c < len(body)})
+
+
 def split_steps(text, mode="tags"):
     """(start, end) character spans of the steps of `text`, covering all of it; mode: "tags",
-    "newlines" or "blank_lines" (training's --step-split). The answer is the last step."""
+    "newlines" or "blank_lines" (training's step_split). The answer is the last step."""
     if not text:
         return []
     answer = text.rfind("</think>")
     answer = text.rfind("\\boxed{") if answer == -1 else answer
     answer = len(text) if answer == -1 else answer
-    body = text[:answer]
-    if mode == "tags":  # a step starts at its tag
-        cuts = [m.start() for m in re.finditer(STEP_TAG, body)]
-    else:  # a line break (or blank line) stays with the step it ends
-        cuts = [m.end() for m in re.finditer(BREAKS[mode], body)]
-    cuts = sorted({c for c in cuts if 0 < c < len(body)})
+    body, cuts = text[:answer], _cuts(text[:answer], mode)
     merged, pending = [], None  # pending: the start of empty text waiting for a step
     for i, (s, e) in enumerate(zip([0, *cuts], [*cuts, len(body)])):
         preamble = mode == "tags" and i == 0 and cuts and not re.match(STEP_TAG, body[s:e])
@@ -63,7 +67,7 @@ def step_token_ends(offsets, spans):
 import os
 
 
-def token_offsets(tokenizer, ids, text):
+def token_offsets_from_ids(tokenizer, ids, text):
     """Character offsets of generated token ids in their text: the re-encoding's when it gives
     the same ids, else token k starts where decode(ids[:k]) stops agreeing with the text."""
     encoded, offsets = tokenizer.encode_with_offsets(text)
@@ -77,12 +81,11 @@ def token_offsets(tokenizer, ids, text):
 
 
 def completion_steps(tokenizer, completion_ids, length, text, truncated, mode="tags"):
-    """(step texts, step ends) of one generated completion; text is its decoding without the
-    final EOS unless truncated. A step owning no token joins the step before it."""
+    """(step texts, step ends) of a generated completion (text: without the EOS, if any)."""
     ids = [int(i) for i in completion_ids[:length].tolist()]
     if not ids:
         return [], []
-    offsets = token_offsets(tokenizer, ids if truncated else ids[:-1], text)
+    offsets = token_offsets_from_ids(tokenizer, ids if truncated else ids[:-1], text)
     if not truncated:
         offsets.append((len(text), len(text)))  # the EOS: no characters, joins the last step
     spans = split_steps(text, mode) or [(0, len(text))]
@@ -304,8 +307,7 @@ from reasoning_from_scratch.run_log import eval_cells
 
 
 def _update(model, optimizer, batch, old_logp, ref_logp, config):
-    """One step on the batch: clipped surrogate (per-token or per-answer advantages) plus
-    beta x k3 KL to the reference, as chapter 7's; returns the loss and the KL."""
+    """One step: clipped surrogate + beta x k3 KL to the reference; returns loss and KL."""
     logp = batch_logprobs(model, batch)[0]  # (B, Tc), chapter 7's
     adv = batch.advantages if batch.advantages.dim() == 2 else batch.advantages[:, None]
     mask, T = batch.completion_mask, config.max_new_tokens
@@ -333,8 +335,7 @@ def _log_row(step, batch, updates):
 
 def train_grpo(model, tokenizer, train_examples, eval_examples, device, config,
                advantage_fn=None):
-    """Chapter 7's GRPO loop (KL to a frozen start when beta > 0) with an advantage hook;
-    returns the held-out figures before and after, and the log rows."""
+    """Chapter 7's GRPO loop (KL to a frozen start if beta > 0) with an advantage hook."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
                                   weight_decay=config.weight_decay)
     ref_model = copy.deepcopy(model).requires_grad_(False) if config.beta else None
