@@ -19,6 +19,12 @@ def clipped_surrogate(logp, old_logp, advantages, epsilon=0.2, epsilon_high=None
     return torch.minimum(unclipped, clipped)
 
 
+def k3_kl(logp, ref_logp):
+    """Per-token k3 estimate of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
 def pack_rollouts(prompts_ids, completion_ids, completion_masks, pad_id=0):
     """N groups as one batch: prompts left-padded, answers right-padded, all from column P."""
     pad = torch.nn.functional.pad
@@ -181,3 +187,13 @@ def collect_rollouts(model, tokenizer, examples, device, reward_fn, num_rollouts
         return batch
     adv = advantage_fn([groups[i] for i in keep], advantages[keep], mask)  # (B, T)
     return _with_token_advantages(batch, adv, num_rollouts, skip_zero_advantage)
+
+
+def batch_logprobs(model, batch):
+    """Per-token answer log-probs and entropies (B, T) of a packed batch, 0 at padding."""
+    P, mask = batch.prompt_len, batch.completion_mask
+    logits = model(batch.input_ids, batch.attention_mask).float()  # (B, P + T, V)
+    logprobs = torch.log_softmax(logits[:, P - 1:-1], dim=-1)  # (B, T, V): the answer rows
+    logp = logprobs.gather(-1, batch.input_ids[:, P:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)  # (B, T)
+    return logp * mask, entropy * mask
