@@ -33,7 +33,7 @@ was right is lost (the placebo of the branches' information).
 
 The sampled and read tokens are counted as every scorer's are: decode tokens (the branches'
 generated tokens, their overrun included) and forward tokens (the prefixes prefilled); the
-update's passes over the rows are counted with the batch (`training.forward_tokens`).
+update's passes over the rows are counted with the batch (`run_log.forward_tokens`).
 """
 
 from __future__ import annotations

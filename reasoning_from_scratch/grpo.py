@@ -655,39 +655,19 @@ def rollout_generators(device, seed, step, indices):
 # ----------------------------------------------------------------------------------------------
 
 def batch_totals(batch) -> tuple[int, float, int, float]:
-    """(rows, answer tokens) of the whole batch, then of its rollouts alone: the loss's
-    normalisers. Extra rows (`extra_rows`, branches) add their own terms, each weighted as one
-    rollout, without shrinking the rollouts' share (docs/process_supervision_forms.md)."""
-    own = batch.size - batch.extra_rows
-    mask = batch.completion_mask
+    """(rows, answer tokens) of the batch, then of its rollouts: the loss's normalisers (rows
+    below them, `extra_rows`, add terms weighted as rollouts'; process_supervision_forms.md)."""
+    own, mask = batch.size - batch.extra_rows, batch.completion_mask
     return batch.size, float(mask.sum()), own, float(mask[:own].sum())
 
 
 def micro_batch_weights(mb, totals, loss_type):
-    """(loss weight, statistics weight) of a micro-batch: its share of the rollouts' (rows,
-    answer tokens) and of the whole batch's (`batch_totals`), so the accumulated gradient is
-    the batch's and the statistics are means over every row."""
+    """(loss weight, statistics weight) of a micro-batch: its share of the rollouts' and of the
+    whole batch's (rows, answer tokens) `totals`, so the accumulated gradient is the batch's."""
     tokens = float(mb.completion_mask.sum())
-    share = tokens / max(1.0, totals[1])
-    w = tokens / max(1.0, totals[3]) if loss_type in ("dapo", "cispo") \
-        else mb.size / max(1, totals[2])  # token / row mean
-    return w, mb.size / totals[0] if loss_type in SEQUENCE_LOSS_TYPES else share
-
-
-def padding_tokens(batch) -> tuple[int, int]:
-    """(real, padding) positions of the batch's rows: a row's real positions are its prompt
-    without left padding and its completion up to its last loss token (all Tc columns for a
-    row without one, e.g. a masked truncated rollout); the rest is right padding."""
-    cm = batch.completion_mask  # (B, Tc)
-    Tc = cm.shape[1]
-    last = (cm.long() * torch.arange(1, Tc + 1, device=cm.device)).amax(-1)  # (B,) 0: none
-    completion = torch.where(last > 0, last, torch.full_like(last, Tc))
-    positions = batch.input_ids.numel() if batch.attention_mask is None \
-        else int(batch.attention_mask.sum())
-    prompt = batch.size * batch.prompt_len if batch.attention_mask is None \
-        else int(batch.attention_mask[:, :batch.prompt_len].sum())
-    real = prompt + int(completion.sum())
-    return real, positions - real
+    rows, all_tokens, own, own_tokens = totals
+    w = tokens / max(1.0, own_tokens) if loss_type in ("dapo", "cispo") else mb.size / max(1, own)
+    return w, mb.size / rows if loss_type in SEQUENCE_LOSS_TYPES else tokens / max(1.0, all_tokens)
 
 
 MEAN_STATS = ("entropy", "ratio_mean", "clip_frac_low", "clip_frac_high", "tis_weight_mean",
@@ -748,5 +728,5 @@ __all__: Sequence[str] = [
     "sequence_logprob_and_entropy", "token_logprobs_and_entropy", "k3_kl", "clipped_surrogate",
     "aggregate_loss", "policy_loss", "RolloutBatch", "pack_rollouts", "collect_rollouts",
     "concat_rollout_batches", "batch_logprobs", "step_prompts", "rollout_generators",
-    "batch_totals", "micro_batch_weights", "padding_tokens", "loss_on_batch",
+    "batch_totals", "micro_batch_weights", "loss_on_batch",
 ]

@@ -14,6 +14,8 @@ import json
 import warnings
 from pathlib import Path
 
+import torch
+
 from .files import atomic_write_text, read_json
 
 # config.json keys that do not make runs different settings: seeds of one setting differ in these
@@ -23,6 +25,29 @@ NOT_SETTINGS = ("seed", "output_dir", "progress", "report_to", "world_size")
 EVAL_COLUMNS = {"accuracy": "eval_accuracy", "format_rate": "eval_format_rate",
                 "think_accuracy": "eval_think_accuracy",
                 "step_correctness": "eval_step_correctness"}
+
+
+# A step's costs (training.step_costs; training.py's module docstring says what counts)
+
+def forward_tokens(batch, config, with_reference: bool, total=list) -> tuple[int, int]:
+    """Tokens the policy and its reference read in a step without sampling them, and the right
+    padding they also computed (summed over the processes by `total`; module docstring)."""
+    prefill = sum(s.get("prompt_tokens", 0) for s in batch.samples)  # the whole step's
+    passes = config.inner_epochs + (config.inner_epochs > 1) + with_reference
+    real, padding = total([float(n * passes) for n in padding_tokens(batch)])
+    return int(prefill + real), int(padding)
+
+
+def padding_tokens(batch) -> tuple[int, int]:
+    """(real, right padding) positions of the rows: real is the prompt without left padding and
+    the completion up to its last loss token (all of it in a row without one)."""
+    cm = batch.completion_mask  # (B, Tc)
+    last = (cm.long() * torch.arange(1, cm.shape[1] + 1, device=cm.device)).amax(-1)  # (B,)
+    am = torch.ones_like(batch.input_ids) if batch.attention_mask is None \
+        else batch.attention_mask
+    completion = int(torch.where(last > 0, last, cm.shape[1]).sum())
+    real = int(am[:, :batch.prompt_len].sum()) + completion
+    return real, int(am.sum()) - real
 
 
 def eval_cells(figures: dict, columns: dict = EVAL_COLUMNS) -> dict:

@@ -72,7 +72,6 @@ from .grpo import (
     loss_on_batch,
     mean_over_epochs,
     micro_batch_weights,
-    padding_tokens,
     rollout_generators,
     step_prompts,
 )
@@ -86,6 +85,7 @@ from .process_supervision import (
 from .prompts import render_prompt
 from .rewards import build_reward
 from .run_dir import StepRun, eval_line, print_line, start_run, stop_if_interrupted
+from .run_log import forward_tokens
 from .systems import SystemsLayer, check_processes, general_rollout_stage, systems_layer
 from .tracking import report_problem, report_targets
 from .validation import (
@@ -106,10 +106,9 @@ METRIC_COLUMNS = [
     "step", "loss", "pg_loss", "kl", "reward_mean", "reward_std", "correct_mean", "format_mean",
     "adv_mean", "adv_std", "zero_adv_frac", "entropy", "ratio_mean", "ratio_max",
     "clip_frac_low", "clip_frac_high", "len_mean", "len_max", "truncated_frac", "grad_norm",
-    "skipped", "gen_tokens", "scorer_tokens", "decode_tokens", "forward_tokens", "forward_pad_tokens",
-    "tokens_per_s",
-    "rollout_s", "update_s", "step_time", "lr", "sampling_rounds", "tis_weight_mean",
-    "off_policy_mask_frac",
+    "skipped", "gen_tokens", "scorer_tokens", "decode_tokens", "forward_tokens",
+    "forward_pad_tokens", "tokens_per_s", "rollout_s", "update_s", "step_time", "lr",
+    "sampling_rounds", "tis_weight_mean", "off_policy_mask_frac",
     *PROCESS_COLUMNS.values(), "branch_rows", "branch_correct_rate",
     "eval_accuracy", "eval_format_rate", "eval_think_accuracy",
     "eval_step_correctness",
@@ -598,16 +597,6 @@ def step_costs(s: Step, batch: RolloutBatch, cost: dict, t1: float) -> dict:
                 decode_tokens=batch.num_generated_tokens + scorer,
                 forward_tokens=forward + cost["scorer_forward_tokens"],
                 forward_pad_tokens=padding, **cost.get("metrics", {}))
-
-
-def forward_tokens(batch, config, with_reference: bool, total=list) -> tuple[int, int]:
-    """Tokens the policy and its reference read in a step without sampling them, and the right
-    padding those passes also computed (each summed over the processes by `total`; the module
-    docstring says what counts)."""
-    prefill = sum(s.get("prompt_tokens", 0) for s in batch.samples)  # the whole step's
-    passes = config.inner_epochs + (config.inner_epochs > 1) + with_reference
-    real, padding = total([float(n * passes) for n in padding_tokens(batch)])
-    return int(prefill + real), int(padding)
 
 
 def grpo_loss_on_batch(model, batch: RolloutBatch, old_logp=None, ref_logp=None, loss_type="grpo",

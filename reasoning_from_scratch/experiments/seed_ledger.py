@@ -60,6 +60,8 @@ LEDGER = (
           "process_vs_outcome_tuned.json:val_branch"),
     Entry("test: branches at the first error", "tiny-arith-think", "test",
           (15, 16, 17, 18, 19, 20), "process_vs_outcome_tuned.json:test_branch"),
+    # declared on seeds 21-23 (val) and 24-26 (test) before their first run; 23 and 26 were
+    # cut for time before any of their runs started, unseen, and count as used all the same
     Entry("val: branch rows weighted as rollouts, padding left out (fresh seeds)",
           "tiny-arith-think", "val", (21, 22, 23)),
     Entry("test: branch rows weighted as rollouts, padding left out (fresh seeds)",
