@@ -274,11 +274,15 @@ def test_the_row_where_the_outputs_part_is_always_read(arith, monkeypatch):
 def test_without_measured_rounding_the_decode_tolerances_are_the_bfloat16_floor(arith,
                                                                               monkeypatch):
     """A bfloat16 model's floor is one bfloat16 roundoff (2**-7) at the log-probs' size (>= 1),
-    the same for the greedy gap and the log-probs, far above float32's 64 ulps."""
+    the same for the greedy gap and the log-probs, far above float32's 64 ulps. The rounding
+    is measured at each batch's own temperature (greedy 0, sampled 0.7)."""
     replay_decode_steps(monkeypatch)
-    monkeypatch.setattr(compile_check, "stepwise_rounding", lambda *args: 0.0)
-    report = _check(_sampler(arith[0]), arith, temperature=0.0)
+    temperatures = []
+    monkeypatch.setattr(compile_check, "stepwise_rounding",
+                        lambda *args: temperatures.append(args[-1]) or 0.0)
+    report = _check(_sampler(arith[0]), arith, temperature=0.7)
     assert report["logit_tolerance"] == report["logprob_tolerance"] >= 2 ** -7, report
+    assert temperatures == [0.0, 0.7]
 
 
 def test_a_decode_figure_equal_to_its_tolerance_passes(arith, monkeypatch):
@@ -345,7 +349,7 @@ def test_each_update_fault_fails_the_check(arith, batch, monkeypatch, fault):
     assert report["max_logprob_diff"] > 0
 
 
-def test_with_compile_off_the_check_runs_no_compiled_block(arith, batch, monkeypatch):
+def test_with_compile_off_the_check_pads_only(arith, batch, monkeypatch):
     """A shape with `compile` off pads only: a faulty compiled block is never run."""
     faulty_update_block(monkeypatch, "scaled_block", arith[0])
     seq, full, P, real, shape = batch
