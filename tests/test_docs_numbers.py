@@ -34,10 +34,10 @@ from reasoning_from_scratch.experiments.seed_ledger import (
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 FILES = ("process_vs_outcome_tuned.json", "process_vs_outcome_fixed.json",
-         "process_vs_outcome_results.json")
+         "process_vs_outcome_results.json", "process_vs_outcome_branch_rows.json")
 # each section of the page (its heading's start) -> the files its figures come from
-SECTION_FILES = {"## In short": FILES, "## 00.": FILES[:1], "## 0.": FILES[1:2],
-                 "## 1.": FILES[1:], "## 2.": FILES[2:], "## 3.": FILES[2:]}
+SECTION_FILES = {"## In short": FILES, "## 00.": (FILES[0], FILES[3]), "## 0.": FILES[1:2],
+                 "## 1.": FILES[1:3], "## 2.": FILES[2:3], "## 3.": FILES[2:3]}
 NUMBER = r"(?:> 1\.5|[+-]?\d+\.\d+)"
 INTERVAL = re.compile(rf"({NUMBER})\s+\[({NUMBER}),\s+({NUMBER})\]")
 FIGURE = re.compile(r"(?<![\w.\[/-])([+-]?\d\.\d{2,3})(?![\d.]|x\b|e-)")
@@ -121,11 +121,11 @@ def _numbers(obj):
 
 
 def tuned_figures():
-    """The figures of process_vs_outcome_tuned.json as printed (2 and 3 decimals, unsigned):
-    its numbers, its pairs and the level means over seeds of every arm."""
-    data = _load(FILES[0])
-    values = list(_numbers(data))
-    for s in _summaries(FILES[:1]):
+    """The figures of section 00's files (process_vs_outcome_tuned.json and the branch rows
+    re-measured) as printed (2 and 3 decimals, unsigned): their numbers, their pairs and the
+    level means over seeds of every arm."""
+    values = [v for name in SECTION_FILES["## 00."] for v in _numbers(_load(name))]
+    for s in _summaries(SECTION_FILES["## 00."]):
         for runs in s["levels"]["runs"].values():
             values += [v for lv in mean_levels(runs).values() for v in lv.values()]
     return {_cell(abs(v), d) for v in values if not math.isnan(v) and not math.isinf(v)
@@ -165,10 +165,17 @@ def _rounded(obj):
     return obj
 
 
+def _point_estimates(obj):
+    """`obj` without the interval ends ("lo", "hi") of its figures."""
+    if isinstance(obj, dict):
+        return {k: _point_estimates(v) for k, v in obj.items() if k not in ("lo", "hi")}
+    return [_point_estimates(v) for v in obj] if isinstance(obj, list) else obj
+
+
 @pytest.mark.parametrize("name", FILES)
 def test_stored_pairs_are_the_recomputed_ones(name):
-    for summary in _summaries([name]):
-        assert _rounded(summary_pairs(summary)) == _rounded(summary["pairs"])
+    for summary in _summaries([name]):  # intervals where the runs kept per-problem records
+        assert _rounded(summary_pairs(summary)) == _rounded(_point_estimates(summary["pairs"]))
         assert len(summary["pairs"]) == len(summary["rows"]) * (len(summary["rows"]) - 1) // 2
 
 
@@ -186,6 +193,29 @@ def test_the_branch_pairs_the_page_reports():
     assert round(val["final_accuracy"]["mean"], 3) == 0.001
     row = {r["arm"]: r for r in tuned["val_branch"]["rows"]}["recommended-branch-tuned"]
     assert [round(s, 2) for s in row["tokens_to_target_share"]] == [0.39, 0.72, 0.64]
+
+
+def test_the_reweighted_branch_table_is_the_stored_summary():
+    """Section 00's table of the branch rows re-measured on fresh seeds: every cell from the
+    test summary (final figures, decode / forward / padding tokens, the equal-compute
+    readings), and the forward-token pairs the bullets quote."""
+    test = _load(FILES[3])["test"]
+    text = (DOCS / "process_vs_outcome.md").read_text()
+    for r in test["rows"]:
+        k = [round(r[key]["mean"] / 1e3) for key in ("tokens", "forward_tokens",
+                                                     "forward_pad_tokens")]
+        line = (f"| {r['arm']} | {r['final_accuracy']['mean']:.3f} | "
+                f"{r['final_step_correctness']['mean']:.3f} | {k[0]} / {k[1]} / {k[2]} | "
+                f"{r['accuracy_at_budget']['mean']:.3f} | "
+                f"{r['accuracy_at_forward_budget']['mean']:.3f} |")
+        assert line in text, line
+    for split, arm, vs, figure in [("test", "recommended-branch-tuned", "recommended-tuned",
+                                    -0.007), ("val", "recommended-branch-tuned",
+                                              "recommended-tuned", -0.030),
+                                   ("test", "recommended-tuned", "outcome-tuned", 0.028),
+                                   ("val", "recommended-tuned", "outcome-tuned", 0.025)]:
+        pair = {(p["arm"], p["vs"]): p for p in _load(FILES[3])[split]["pairs"]}[(arm, vs)]
+        assert round(pair["accuracy_at_forward_budget"]["mean"], 3) == figure
 
 
 @pytest.mark.parametrize("page", ["process_vs_outcome.md", "README.md"])
