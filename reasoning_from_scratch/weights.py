@@ -15,10 +15,12 @@ a file that asks to run code, and `save_book_checkpoint` writes it for the book'
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import re
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -333,6 +335,32 @@ def load_pretrained(
 # --------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------
+
+
+OPT_IN_ENV = "QWEN3_DIR"  # the notebooks' opt-in cells: a local Qwen3 checkpoint directory
+
+
+class OptInModel(NamedTuple):
+    """What `opt_in_qwen3` loads: the model, its tokenizer, the device and the directory."""
+
+    model: Qwen3Model
+    tokenizer: Qwen3Tokenizer
+    device: torch.device
+    path: Path
+
+
+def opt_in_qwen3(dtype=torch.float32) -> OptInModel | None:
+    """The notebooks' opt-in Qwen3 (one call per opt-in cell): loaded from the local checkpoint
+    directory $QWEN3_DIR names (Hugging Face layout) onto the best device, or None after one line
+    saying the cell was skipped when it is unset (notebooks/README.md)."""
+    path = os.environ.get(OPT_IN_ENV)
+    if not path:
+        print(f"skipped: set {OPT_IN_ENV} to a local Qwen3 checkpoint directory (config.json, "
+              "*.safetensors, tokenizer.json) to run this cell; see notebooks/README.md")
+        return None
+    device = get_device()  # a GPU when there is one
+    model, tokenizer = load_pretrained(path, device=device, dtype=dtype)
+    return OptInModel(model, tokenizer, device, Path(path))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

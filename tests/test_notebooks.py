@@ -368,9 +368,9 @@ def opt_in_problems(nb):
     """Why a chapter notebook lacks exactly one opt-in Qwen3 cell whose stored output shows it
     skipped (empty list if nothing is wrong)."""
     reading = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
-               and f'os.environ.get("{QWEN3_ENV}")' in c.source]
+               and "opt_in_qwen3()" in c.source]  # `weights.opt_in_qwen3` reads QWEN3_DIR
     if len(reading) != 1:
-        return [f"{len(reading)} code cells read {QWEN3_ENV} (want exactly one)"]
+        return [f"{len(reading)} code cells load the opt-in Qwen3 (want exactly one)"]
     i = reading[0]
     cell, problems = nb.cells[i], []
     if cell.get("id") != OPT_IN_CELL_ID:
@@ -398,7 +398,7 @@ def test_chapter_has_a_skipped_opt_in_cell(chapter):
 def test_opt_in_check_flags_a_cell_run_on_weights():
     md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
     nb = nbformat.v4.new_notebook()
-    cell = code(f'import os\nif not os.environ.get("{QWEN3_ENV}"):\n    print("skipped")')
+    cell = code("qwen3 = opt_in_qwen3()\nif qwen3:\n    print(qwen3.model)")
     cell.id = OPT_IN_CELL_ID
     skipped = nbformat.v4.new_output("stream", text=f"skipped: set {QWEN3_ENV} to run it\n")
     cell.outputs = [skipped]
@@ -407,7 +407,7 @@ def test_opt_in_check_flags_a_cell_run_on_weights():
     cell.outputs = [nbformat.v4.new_output("stream", text="12,345 parameters\nmatches\n")]
     assert len(opt_in_problems(nb)) == 1
     nb.cells = [md("text"), cell, cell]
-    assert opt_in_problems(nb) == [f"2 code cells read {QWEN3_ENV} (want exactly one)"]
+    assert opt_in_problems(nb) == ["2 code cells load the opt-in Qwen3 (want exactly one)"]
     nb.cells = [code("x = 1"), cell]
     cell.outputs, cell.id = [skipped], "other"
     assert len(opt_in_problems(nb)) == 2  # the id, and no markdown above

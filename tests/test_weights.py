@@ -324,3 +324,25 @@ def test_saved_files_get_normal_permissions(saved):
     os.umask(umask)
     for f in out.iterdir():
         assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f.name
+
+
+def test_opt_in_qwen3_skips_without_the_directory_and_loads_it_when_set(tmp_path, monkeypatch,
+                                                                          capsys):
+    """The notebooks' opt-in cells: one line saying the cell was skipped when QWEN3_DIR is unset;
+    the checkpoint it names loaded (float32, on the best device) when set."""
+    from reasoning_from_scratch.weights import OPT_IN_ENV, opt_in_qwen3
+    monkeypatch.delenv(OPT_IN_ENV, raising=False)
+    assert opt_in_qwen3() is None
+    shown = capsys.readouterr().out
+    assert shown.startswith("skipped:") and OPT_IN_ENV in shown and shown.count("\n") == 1
+    model, tokenizer = load_pretrained("tiny-arith", device="cpu", dtype=torch.bfloat16)
+    save_pretrained(model, tokenizer, tmp_path / "qwen3")
+    monkeypatch.setenv(OPT_IN_ENV, str(tmp_path / "qwen3"))
+    monkeypatch.setattr("reasoning_from_scratch.weights.get_device", lambda: torch.device("cpu"))
+    loaded = opt_in_qwen3()
+    assert loaded.path == tmp_path / "qwen3" and loaded.device == torch.device("cpu")
+    assert next(loaded.model.parameters()).dtype == torch.float32
+    ids = torch.tensor([loaded.tokenizer.encode("Compute 2+3")])
+    with torch.no_grad():
+        assert torch.allclose(loaded.model(ids), model.float()(ids), atol=1e-5)
+
