@@ -43,6 +43,14 @@ def _canvas(width, height):
     return fig, ax
 
 
+def draw_all(diagrams, out_dir) -> None:
+    """Draw a script's `DIAGRAMS` (a {file name: function} dict) into `out_dir`."""
+    out_dir = Path(out_dir)
+    for draw in diagrams.values():
+        draw(out_dir)
+    print("drawn:", ", ".join(diagrams))
+
+
 def _save(fig, path):
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

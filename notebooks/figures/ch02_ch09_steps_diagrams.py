@@ -181,7 +181,7 @@ def top_p_diagram(out_dir):
     ax.step([x - 0.5 for x in xs] + [len(probs) - 0.5], before + [1.0], where="post",
             color="#e37400", label="mass of the better tokens (before this one)")
     ax.axhline(top_p, color="#d93025", linestyle="--", label=f"top_p = {top_p}")
-    for x, ((p, name), b, k) in enumerate(zip(probs, before, keep)):
+    for x, ((p, _name), _b, k) in enumerate(zip(probs, before, keep)):
         label = f"{p:.2f}\n-> {p / kept_mass:.2f}" if k else f"{p:.2f}\ncut"
         ax.text(x, p + 0.03, label, ha="center", fontsize=8)
     ax.set_xticks(list(xs), [f"{name}\nbefore {b:.2f}" for (_, name), b in zip(probs, before)],

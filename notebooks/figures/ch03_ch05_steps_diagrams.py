@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the shared helpers, when imported from elsewhere (tests)
-from ch02_ch09_diagrams import _arrow, _box, _canvas, _save  # noqa: E402
+from ch02_ch09_diagrams import _arrow, _box, _canvas, _save, draw_all  # noqa: E402
 
 GREEN, RED, GREY, BLUE = "#34a853", "#d93025", "#9aa0a6", "#4285f4"
 
@@ -250,7 +250,8 @@ def refinement_history_diagram(out_dir):
     for r, (x, (answer, tokens, step)) in enumerate(zip(xs, history)):
         label = "no box" if answer is None else answer
         kind = "check" if answer == "622" else "none"
-        head = "round 0: greedy draft" if r == 0 else f"round {r}: resampled\nfrom step index {step}"
+        head = ("round 0: greedy draft" if r == 0
+                else f"round {r}: resampled\nfrom step index {step}")
         _box(ax, x, 1.7, f"{head}\nanswer {label}\n{tokens} tokens so far", kind, w=2.2, h=1.2,
              size=8)
     for a, b in zip(xs, xs[1:]):
@@ -300,10 +301,7 @@ DIAGRAMS = {"ch03_sampling_loop.png": sampling_loop_diagram,
 
 def main(out_dir: Path = HERE) -> None:
     """Draw every diagram into `out_dir`."""
-    out_dir = Path(out_dir)
-    for draw in DIAGRAMS.values():
-        draw(out_dir)
-    print("drawn:", ", ".join(name for name in DIAGRAMS))
+    draw_all(DIAGRAMS, out_dir)
 
 
 if __name__ == "__main__":

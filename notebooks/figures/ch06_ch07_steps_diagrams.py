@@ -21,7 +21,7 @@ from matplotlib.patches import FancyBboxPatch, Rectangle  # noqa: E402
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # run as a script or loaded by path: the helpers sit beside us
     sys.path.insert(0, str(HERE))
-from ch02_ch09_diagrams import _arrow, _box, _canvas, _save  # noqa: E402
+from ch02_ch09_diagrams import _arrow, _box, _canvas, _save, draw_all  # noqa: E402
 
 RED, BLUE, GREY = "#d93025", "#1a73e8", "#5f6368"
 RIGHT, WRONG = "#34a853", "#ea4335"  # bar colours of right and wrong answers
@@ -418,10 +418,7 @@ DIAGRAMS = {
 
 def main(out_dir: Path = HERE) -> None:
     """Draw every diagram into `out_dir`."""
-    out_dir = Path(out_dir)
-    for draw in DIAGRAMS.values():
-        draw(out_dir)
-    print("drawn:", ", ".join(DIAGRAMS))
+    draw_all(DIAGRAMS, out_dir)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the shared helpers, when imported from elsewhere (tests)
-from ch02_ch09_diagrams import _arrow, _box, _canvas, _save  # noqa: E402
+from ch02_ch09_diagrams import _arrow, _box, _canvas, _save, draw_all  # noqa: E402
 
 
 def policies_diagram(out_dir):
@@ -162,10 +162,7 @@ DIAGRAMS = {"ch07_policies.png": policies_diagram,
 
 def main(out_dir: Path = HERE) -> None:
     """Draw every diagram into `out_dir`."""
-    out_dir = Path(out_dir)
-    for draw in DIAGRAMS.values():
-        draw(out_dir)
-    print("drawn:", ", ".join(name for name in DIAGRAMS))
+    draw_all(DIAGRAMS, out_dir)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the shared helpers, when imported from elsewhere (tests)
-from ch02_ch09_diagrams import _arrow, _box, _canvas, _save  # noqa: E402
+from ch02_ch09_diagrams import _arrow, _box, _canvas, _save, draw_all  # noqa: E402
 
 DOCS = HERE.parent.parent / "docs"
 # The tutorial's completion with a wrong second step, as split_steps cuts it (tags mode).
@@ -261,10 +261,7 @@ DIAGRAMS = {"ch08_steps_split.png": split_diagram,
 
 def main(out_dir: Path = HERE) -> None:
     """Draw every diagram into `out_dir`."""
-    out_dir = Path(out_dir)
-    for draw in DIAGRAMS.values():
-        draw(out_dir)
-    print("drawn:", ", ".join(name for name in DIAGRAMS))
+    draw_all(DIAGRAMS, out_dir)
 
 
 if __name__ == "__main__":
